@@ -1,0 +1,7 @@
+"""Memory pools: paged KV, the req->token table and the recurrent-state pool."""
+
+from hyloop.pools.kv_pool import KVPool
+from hyloop.pools.page_allocator import PageAllocator
+from hyloop.pools.req_to_token import ReqToTokenPool
+
+__all__ = ["KVPool", "PageAllocator", "ReqToTokenPool"]

@@ -1,0 +1,42 @@
+"""The req->token table: one row of KV slot indices per running request."""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    """``[max_requests + 1, max_context]`` int32 slot indices; the last row is the padding row.
+
+    Row ``r`` column ``p`` holds the KV slot of position ``p`` of the request that owns row ``r``.
+    The padding row stays all zeros (slot 0, the padding sink).
+    """
+
+    def __init__(self, max_requests: int, max_context: int, device: torch.device | str) -> None:
+        if max_requests < 1 or max_context < 1:
+            raise ValueError("max_requests and max_context must be >= 1")
+        self.max_requests = max_requests
+        self.max_context = max_context
+        self.table = torch.zeros(max_requests + 1, max_context, dtype=torch.int32, device=device)
+        self.padding_row = max_requests
+        self._free_rows: list[int] = list(range(max_requests - 1, -1, -1))
+
+    def available(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self) -> int | None:
+        return self._free_rows.pop() if self._free_rows else None
+
+    def free(self, row: int) -> None:
+        if row in self._free_rows or not 0 <= row < self.max_requests:
+            raise ValueError(f"req_to_token: bad free of row {row}")
+        self._free_rows.append(row)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        self.table[row, start : start + slots.numel()] = slots.to(self.table.dtype)
+
+    def check_invariants(self) -> None:
+        if len(set(self._free_rows)) != len(self._free_rows):
+            raise AssertionError("req_to_token: duplicate free row")
+        if bool(self.table[self.padding_row].any()):
+            raise AssertionError("req_to_token: padding row was written")
