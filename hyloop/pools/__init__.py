@@ -3,5 +3,6 @@
 from hyloop.pools.kv_pool import KVPool
 from hyloop.pools.page_allocator import PageAllocator
 from hyloop.pools.req_to_token import ReqToTokenPool
+from hyloop.pools.slot_allocator import SlotAllocator
 
-__all__ = ["KVPool", "PageAllocator", "ReqToTokenPool"]
+__all__ = ["KVPool", "PageAllocator", "ReqToTokenPool", "SlotAllocator"]
