@@ -1,0 +1,175 @@
+"""The engine config: YAML (omegaconf) -> frozen pydantic models.
+
+``load_config(files, overrides)`` merges YAML files left to right (a file may list parent files
+under ``defaults:``, merged before it), applies dotlist overrides (``kv_pool.page_size=16``),
+resolves ``${}`` interpolation and validates. A bad key or value raises ``ConfigError`` naming
+the dotted key, the bad value and what was expected.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config key or value is wrong; the message names the dotted key."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelSection(_Section):
+    path: str | None = Field(None, description="HF checkpoint directory or .gguf file")
+    max_context: int | None = Field(
+        None, ge=2, description="longest prompt + output served; default min(model limit, 8192)"
+    )
+
+
+class KVPoolSection(_Section):
+    page_size: int = Field(1, ge=1, description="KV slots per page (tree keys split at pages)")
+    num_pages: int | None = Field(
+        None, ge=2, description="pages in the pool (page 0 is the padding sink); else from budget"
+    )
+    memory_budget_mb: float = Field(
+        512.0, gt=0, description="KV memory budget when num_pages is not given"
+    )
+
+
+class RecurrentPoolSection(_Section):
+    num_slots: int | None = Field(None, ge=1, description="state slots; default from max_running")
+    track_interval: int | None = Field(
+        None, ge=1, description="track boundary spacing; default the prefill chunk size"
+    )
+
+
+class CacheSection(_Section):
+    enable: bool = Field(True, description="prefix reuse through the UHRC")
+
+
+class GraphsSection(_Section):
+    backend: Literal["auto", "eager", "compile", "cuda_graph"] = Field(
+        "eager", description="how the decode step runs; auto picks the fastest correct one"
+    )
+    buckets: list[int] = Field(
+        default_factory=lambda: [1, 2, 4, 8, 16, 32], description="decode batch buckets"
+    )
+
+    @model_validator(mode="after")
+    def _check_buckets(self) -> GraphsSection:
+        if not self.buckets or any(b < 1 for b in self.buckets):
+            raise ValueError(f"buckets must be a non-empty list of ints >= 1, got {self.buckets}")
+        return self
+
+
+class SchedulerSection(_Section):
+    max_running_requests: int = Field(64, ge=1, description="requests decoding at once")
+    prefill_chunk: int = Field(512, ge=1, description="largest prefill chunk of one request")
+    prefill_token_budget: int = Field(2048, ge=1, description="prefill tokens in one step")
+
+
+class SamplingDefaultsSection(_Section):
+    temperature: float = Field(0.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    max_tokens: int = Field(64, ge=1)
+
+
+class LookaheadSection(_Section):
+    enable: bool = Field(False, description="launch step N+1 before resolving step N")
+    min_batch: int = Field(1, ge=1, description="smallest decode batch that uses lookahead")
+
+
+class EngineConfig(_Section):
+    model: ModelSection = ModelSection()
+    kv_pool: KVPoolSection = KVPoolSection()
+    recurrent_pool: RecurrentPoolSection = RecurrentPoolSection()
+    cache: CacheSection = CacheSection()
+    graphs: GraphsSection = GraphsSection()
+    scheduler: SchedulerSection = SchedulerSection()
+    sampling_defaults: SamplingDefaultsSection = SamplingDefaultsSection()
+    lookahead: LookaheadSection = LookaheadSection()
+    device: str = Field("cpu", description="cpu | cuda | cuda:N")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="dtype weights are stored and computed in"
+    )
+    seed: int = Field(0, description="seed for requests that give none")
+
+    @model_validator(mode="after")
+    def _check_track(self) -> EngineConfig:
+        ti = self.recurrent_pool.track_interval
+        if ti is not None and ti % self.kv_pool.page_size:
+            raise ValueError(
+                f"recurrent_pool.track_interval={ti} must be a positive multiple of "
+                f"kv_pool.page_size={self.kv_pool.page_size}"
+            )
+        return self
+
+
+def _load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    if path in seen:
+        raise ConfigError(f"config defaults cycle through {path}")
+    try:
+        cfg = OmegaConf.load(path)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{path}: {e}") from e
+    if not isinstance(cfg, DictConfig):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    parents = cfg.pop("defaults", None) or []
+    merged = OmegaConf.create()
+    for parent in parents:
+        merged = OmegaConf.merge(merged, _load_yaml(path.parent / str(parent), (*seen, path)))
+    return OmegaConf.merge(merged, cfg)  # type: ignore[return-value]
+
+
+def load_config(
+    files: list[str | Path] | str | Path | None = None,
+    overrides: list[str] | None = None,
+    base: dict[str, Any] | None = None,
+) -> EngineConfig:
+    """Merge ``base`` < files < dotlist ``overrides`` and validate."""
+    if isinstance(files, str | Path):
+        files = [files]
+    cfg = OmegaConf.create(base or {})
+    for f in files or []:
+        cfg = OmegaConf.merge(cfg, _load_yaml(Path(f)))
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value")
+    try:
+        if overrides:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+        data = OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"config: {e}") from e
+    return validate_config(data)  # type: ignore[arg-type]
+
+
+def validate_config(data: dict[str, Any]) -> EngineConfig:
+    try:
+        return EngineConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format(e)) from None
+
+
+def _format(e: ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "<root>"
+        value = err.get("input")
+        if err["type"] == "extra_forbidden":
+            lines.append(f"{key}: unknown config key (value {value!r})")
+        else:
+            lines.append(f"{key}: got {value!r}; {err['msg']}")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def dump_config(cfg: EngineConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.create(cfg.model_dump()))

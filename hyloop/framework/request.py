@@ -1,0 +1,64 @@
+"""A request's host-side state and the outputs handed back to callers."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hyloop.framework.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    num_cached_tokens: int
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed32: int
+    max_new: int  # max_tokens clipped to the context limit
+    stop_ids: frozenset[int]
+    status: Status = Status.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    logits: list[torch.Tensor] | None = None  # debug capture (engine.capture_logits)
+    finish_reason: str | None = None
+    # Pool state.
+    req_row: int = -1
+    slots: torch.Tensor | None = None  # KV slots for positions 0..len(slots)-1
+    own_from: int = 0  # slots[own_from:] are this request's pages; before: the tree's
+    num_computed: int = 0  # positions whose KV is written
+    num_cached: int = 0  # prompt tokens served from the cache
+    lock: Any = None  # cache lock receipt
+    state_slot: int = 0  # recurrent working slot (hybrid models)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.num_computed >= len(self.prompt_ids)
+
+    @property
+    def total_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)

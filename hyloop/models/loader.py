@@ -1,0 +1,87 @@
+"""Build a hyloop model from a local checkpoint: an HF directory or a GGUF file."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hyloop.models.loaders.hf import eos_ids_from, iter_safetensors, read_hf_config, safetensors_files
+from hyloop.models.registry import model_class
+from hyloop.models.tokenizer import TextTokenizer, load_hf_tokenizer
+from hyloop.models.weights import load_weights
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    hf_config: dict[str, Any]
+    tokenizer: TextTokenizer | None
+    eos_token_ids: list[int] = field(default_factory=list)
+    source: str = ""
+
+    @property
+    def weight_bytes(self) -> int:
+        seen: set[int] = set()
+        total = 0
+        for p in self.model.parameters():
+            if p.data_ptr() in seen:
+                continue
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+        return total
+
+
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    """Load weights strictly (missing / unexpected / mis-shaped tensors raise)."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"checkpoint not found: {path} (hyloop never downloads)")
+    if p.is_file() and p.suffix == ".gguf":
+        return _load_gguf(p, dtype, device)
+    if not p.is_dir():
+        raise ValueError(f"checkpoint {path}: expected an HF directory or a .gguf file")
+    hf_config = read_hf_config(p)
+    model = _instantiate(hf_config)
+    load_weights(model, iter_safetensors(safetensors_files(p)), source=str(p))
+    model = model.to(device=device, dtype=dtype).eval()
+    return LoadedModel(model, hf_config, load_hf_tokenizer(p), eos_ids_from(p, hf_config), str(p))
+
+
+def _instantiate(hf_config: dict[str, Any]) -> nn.Module:
+    cls = model_class(hf_config)
+    with torch.device("meta"):
+        model = cls(hf_config)
+    # Materialise without random init; every parameter is then overwritten by the checkpoint,
+    # and derived buffers (RoPE tables) are recomputed by their owners.
+    model = model.to_empty(device="cpu")
+    for module in model.modules():
+        reset = getattr(module, "reset_buffers", None)
+        if callable(reset):
+            reset()
+    tie = getattr(model, "tie_weights", None)
+    if callable(tie):
+        tie()  # to_empty() may re-create shared parameters separately
+    return model
+
+
+def _load_gguf(p: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    from hyloop.models.loaders.gguf import load_gguf
+
+    ckpt = load_gguf(p)
+    model = _instantiate(ckpt.config)
+    load_weights(model, ckpt.state_dict.items(), source=str(p))
+    model = model.to(device=device, dtype=dtype).eval()
+    tok = TextTokenizer(
+        ckpt.tokenizer,
+        add_bos=ckpt.add_bos_token,
+        bos_id=ckpt.config.get("bos_token_id"),
+        chat_template=ckpt.chat_template,
+    )
+    return LoadedModel(model, ckpt.config, tok, list(ckpt.eos_token_ids), str(p))

@@ -1,0 +1,48 @@
+"""Architecture registry: HF ``architectures[0]`` -> hyloop model class."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+ARCHITECTURES: dict[str, type[nn.Module]] = {}
+
+
+def register(*names: str) -> Callable[[type[nn.Module]], type[nn.Module]]:
+    def wrap(cls: type[nn.Module]) -> type[nn.Module]:
+        for name in names:
+            ARCHITECTURES[name] = cls
+        return cls
+
+    return wrap
+
+
+def text_config(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The text-model fields, flattening a nested ``text_config`` (VL-style checkpoints)."""
+    nested = hf_config.get("text_config")
+    if isinstance(nested, dict):
+        merged = {k: v for k, v in hf_config.items() if k != "text_config"}
+        merged.update(nested)
+        return merged
+    return dict(hf_config)
+
+
+def architecture_of(hf_config: dict[str, Any]) -> str:
+    archs = hf_config.get("architectures") or []
+    if not archs:
+        raise ValueError("config.json has no 'architectures' entry; cannot pick a model class")
+    return str(archs[0])
+
+
+def model_class(hf_config: dict[str, Any]) -> type[nn.Module]:
+    # Import for registration side effects.
+    from hyloop.models import arch  # noqa: F401
+
+    name = architecture_of(hf_config)
+    if name not in ARCHITECTURES:
+        raise ValueError(
+            f"unknown architecture {name!r}; supported: {', '.join(sorted(ARCHITECTURES))}"
+        )
+    return ARCHITECTURES[name]

@@ -1,0 +1,136 @@
+"""Map checkpoint tensors (HF names) onto a hyloop module, strictly.
+
+Fused parameters (``qkv_proj``, ``gate_up_proj``) are filled shard by shard from their HF parts.
+Every parameter must be filled exactly once and every checkpoint tensor must land somewhere:
+missing, unexpected or mis-shaped tensors raise one error that names them all.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+# Tensors some checkpoints carry that are derived, not learned.
+IGNORED = (re.compile(r".*rotary_emb\.inv_freq$"), re.compile(r"^mtp\."))
+
+
+@dataclass(frozen=True)
+class StackedParam:
+    """``fused`` holds ``parts`` concatenated along dim 0, e.g. qkv_proj <- q/k/v_proj."""
+
+    fused: str
+    parts: tuple[str, ...]
+
+
+class WeightLoadError(ValueError):
+    pass
+
+
+def load_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    source: str = "checkpoint",
+) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    tied: dict[str, str] = getattr(model, "tied_weights", {})
+    stacked: tuple[StackedParam, ...] = getattr(model, "stacked_params", ())
+    rename = getattr(model, "rename_weight", None)
+    filled: dict[str, int] = {}  # param name -> rows filled
+    unexpected: list[str] = []
+    misshaped: list[str] = []
+    plan = _stack_plan(model, params, stacked)
+
+    for name, tensor in weights:
+        if any(p.match(name) for p in IGNORED):
+            continue
+        if rename is not None:
+            name = rename(name)
+            if name is None:
+                continue
+        if name in tied:
+            target = params[tied[name]]
+            if tuple(tensor.shape) != tuple(target.shape):
+                misshaped.append(f"{name}: {tuple(tensor.shape)} vs {tuple(target.shape)}")
+            continue  # tied copies carry no extra information
+        hit = _stacked_target(name, stacked)
+        if hit is not None:
+            pname, part = hit
+            if pname not in params:
+                unexpected.append(name)
+                continue
+            start, rows = plan[pname][part]
+            dst = params[pname].data.narrow(0, start, rows)
+            if tuple(tensor.shape) != tuple(dst.shape):
+                misshaped.append(f"{name}: {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+                continue
+            dst.copy_(tensor)
+            filled[pname] = filled.get(pname, 0) + rows
+            continue
+        if name not in params:
+            unexpected.append(name)
+            continue
+        dst = params[name].data
+        if tuple(tensor.shape) != tuple(dst.shape):
+            misshaped.append(f"{name}: {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+            continue
+        dst.copy_(tensor)
+        filled[name] = filled.get(name, 0) + (dst.shape[0] if dst.dim() else 1)
+
+    tied_targets = set(tied)
+    missing = []
+    for pname, p in params.items():
+        if pname in tied_targets:
+            continue
+        need = p.shape[0] if p.dim() else 1
+        if filled.get(pname, 0) != need:
+            missing.append(pname)
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {', '.join(sorted(missing))}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {', '.join(sorted(unexpected))}")
+    if misshaped:
+        problems.append(f"mis-shaped tensors: {'; '.join(misshaped)}")
+    if problems:
+        raise WeightLoadError(f"{source}: " + " | ".join(problems))
+
+
+def _stacked_target(name: str, stacked: tuple[StackedParam, ...]) -> tuple[str, int] | None:
+    for sp in stacked:
+        for i, part in enumerate(sp.parts):
+            token = f".{part}."
+            if token in name:
+                return name.replace(token, f".{sp.fused}."), i
+    return None
+
+
+def _stack_plan(
+    model: nn.Module, params: dict[str, nn.Parameter], stacked: tuple[StackedParam, ...]
+) -> dict[str, list[tuple[int, int]]]:
+    """Row ranges of each part inside each fused parameter.
+
+    The fused module declares its parts' row counts as ``shard_sizes`` (e.g. q, k, v sizes);
+    without it the rows split evenly.
+    """
+    plan: dict[str, list[tuple[int, int]]] = {}
+    for pname, p in params.items():
+        for sp in stacked:
+            if f".{sp.fused}." not in pname:
+                continue
+            owner = model.get_submodule(pname.rsplit(".", 1)[0])
+            sizes = list(getattr(owner, "shard_sizes", []))
+            if not sizes:
+                n = len(sp.parts)
+                if p.shape[0] % n:
+                    raise WeightLoadError(f"{pname}: {p.shape[0]} rows do not split in {n}")
+                sizes = [p.shape[0] // n] * n
+            start, ranges = 0, []
+            for rows in sizes:
+                ranges.append((start, rows))
+                start += rows
+            plan[pname] = ranges
+    return plan

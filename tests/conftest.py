@@ -1,0 +1,97 @@
+"""Shared fixtures: tiny random checkpoints in HF layout, built with transformers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, torch.get_num_threads()))
+
+TINY_DENSE: dict[str, dict[str, Any]] = {
+    "llama": dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        initializer_range=0.1,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    "qwen2": dict(
+        architectures=["Qwen2ForCausalLM"],
+        model_type="qwen2",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        eos_token_id=2,
+    ),
+    "qwen3": dict(
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        eos_token_id=2,
+    ),
+}
+
+
+def build_hf_checkpoint(path: Path, config: dict[str, Any], seed: int = 0) -> Path:
+    """Save a random transformers model of ``config`` as ``config.json`` + safetensors."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg_cls = transformers.AutoConfig.for_model(config["model_type"])
+    hf_cfg = type(cfg_cls).from_dict({k: v for k, v in config.items() if k != "model_type"})
+    model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
+    model.eval()
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def load_hf_model(path: Path) -> Any:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ckpts")
+    return {name: build_hf_checkpoint(root / name, cfg) for name, cfg in TINY_DENSE.items()}
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    return json.loads((path / "config.json").read_text())
