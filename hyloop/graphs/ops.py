@@ -1,0 +1,182 @@
+"""Graph-native ops: radix keys of generated rows, the track-slot scatter and the KV write.
+
+Every op here runs inside the captured decode step, so each is a fixed-shape tensor program:
+no host reads, no data-dependent shapes, no Python value that changes per step. The only
+Python values are static per bucket (channel count, ``end_id``, ``hash_space``). Each op is
+checked by ``hyloop.graphs.safety`` in the unit tests.
+
+Radix keys:
+
+* Token models: the key of a token is its id (``token_keys``).
+* Multi-channel rows ``[B, C]`` (channel 0 = text id, channels 1.. = codes) generated on device:
+  a Horner polynomial over all C channels modulo the Mersenne prime ``2**31 - 1``, folded into
+  ``[0, hash_space)``; rows whose text channel is the end id keep the end id, so stop checks
+  and the radix tree see the real EOS (``row_radix_keys``).
+* Prompt rows, keyed once on the host before decode: blake2b of the row's little-endian int64
+  bytes, 8 bytes, masked to 63 bits (``prompt_row_keys``). Generated keys (< ``hash_space``) and
+  prompt keys (63-bit) share one key space; a clash needs an identical full prefix first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import torch
+
+__all__ = [
+    "HORNER_BASE",
+    "HORNER_MOD",
+    "ROW_HASH_SPACE",
+    "prompt_row_keys",
+    "row_radix_keys",
+    "row_radix_keys_raw",
+    "scatter_track_slots",
+    "token_keys",
+    "write_kv",
+]
+
+HORNER_MOD = 2**31 - 1  # Mersenne prime: adjacent rows can never collide before folding.
+HORNER_BASE = 1_000_000_007
+ROW_HASH_SPACE = 151643  # text vocabulary size of the Qwen-family TTS backbones
+
+# NOTE: the base is reduced mod MOD once, so every Horner step computes acc * base + value with
+# acc, base, value < 2**31: the product stays below 2**62 and the sum below 2**63 (no int64
+# overflow, so CPU and GPU give bit-identical keys).
+_BASE_REDUCED = HORNER_BASE % HORNER_MOD
+_PROMPT_KEY_MASK = (1 << 63) - 1
+
+
+def token_keys(token_ids: torch.Tensor) -> torch.Tensor:
+    """Radix keys of single-channel tokens: the token ids themselves, as int64."""
+    _require_int(token_ids, "token_ids")
+    return token_ids.to(torch.int64)
+
+
+def row_radix_keys_raw(rows: torch.Tensor) -> torch.Tensor:
+    """Horner hash of each row ``[B, C]`` in ``[0, 2**31 - 1)``, before folding.
+
+    ``acc = (acc * BASE + (row[c] mod MOD)) mod MOD`` over c = 0..C-1 with floor remainders
+    (negative and >= MOD channel values are reduced first), ``acc`` starting at 0.
+    """
+    _require_rows(rows)
+    values = torch.remainder(rows.to(torch.int64), HORNER_MOD)
+    acc = torch.zeros_like(values[:, 0])
+    # C is static per model, so the loop unrolls into C fused multiply-add-mod steps.
+    for c in range(values.shape[1]):
+        acc = torch.remainder(acc * _BASE_REDUCED + values[:, c], HORNER_MOD)
+    return acc
+
+
+def row_radix_keys(
+    rows: torch.Tensor, end_id: int, hash_space: int = ROW_HASH_SPACE
+) -> torch.Tensor:
+    """Radix key of each generated row ``[B, C]``: int64 ``[B]`` on the rows' device.
+
+    ``row_radix_keys_raw(rows) % hash_space``, except rows whose channel 0 equals ``end_id``,
+    which keep ``end_id``.
+    """
+    _require_rows(rows)
+    if isinstance(end_id, bool) or not isinstance(end_id, int):
+        raise TypeError(f"end_id must be an int, got {type(end_id).__name__} {end_id!r}")
+    if isinstance(hash_space, bool) or not isinstance(hash_space, int) or hash_space <= 0:
+        raise ValueError(f"hash_space must be a positive int, got {hash_space!r}")
+    folded = torch.remainder(row_radix_keys_raw(rows), hash_space)
+    is_end = rows[:, 0].to(torch.int64) == end_id
+    return torch.where(is_end, torch.full_like(folded, end_id), folded)
+
+
+def prompt_row_keys(rows: torch.Tensor | np.ndarray) -> list[int]:
+    """Host-side keys of prompt rows ``[N, C]``: 63-bit blake2b of each row's int64 bytes.
+
+    Runs once per request before decode, never inside the captured step.
+    """
+    array = rows.detach().cpu().numpy() if isinstance(rows, torch.Tensor) else np.asarray(rows)
+    if array.ndim != 2 or not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(
+            f"rows must be a 2-D integer array [N, C], got shape {tuple(array.shape)} "
+            f"dtype {array.dtype}"
+        )
+    if array.dtype == np.uint64 and array.size and int(array.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"rows must fit in int64, got a uint64 value {int(array.max())}")
+    # Fixed little-endian int64 bytes, so keys do not depend on the host or the input dtype.
+    encoded = np.ascontiguousarray(array.astype("<i8"))
+    keys = []
+    for row in encoded:
+        digest = hashlib.blake2b(row.tobytes(), digest_size=8).digest()
+        keys.append(int.from_bytes(digest, "little") & _PROMPT_KEY_MASK)
+    return keys
+
+
+def scatter_track_slots(
+    buf: torch.Tensor, src_slots: torch.Tensor, track_slots: torch.Tensor
+) -> None:
+    """Publish recurrent state: ``buf[track_slots[b]] = buf[src_slots[b]]`` for every row b.
+
+    Rows that publish nothing carry ``track_slots[b] == 0`` and write into slot 0, the padding
+    sink, so the scatter keeps one fixed shape per bucket (no mask indexing, no ``nonzero``).
+    All sources are read before any destination is written.
+    """
+    _require_slots(src_slots, "src_slots", buf)
+    _require_slots(track_slots, "track_slots", buf)
+    if src_slots.shape != track_slots.shape:
+        raise ValueError(
+            f"src_slots and track_slots must have the same shape, got "
+            f"{tuple(src_slots.shape)} and {tuple(track_slots.shape)}"
+        )
+    buf.index_copy_(0, track_slots, buf.index_select(0, src_slots))
+
+
+def write_kv(
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """Write new K/V ``[..., kv_heads, head_dim]`` into the pool at ``out_cache_loc`` slots.
+
+    ``out_cache_loc`` has the leading shape of ``k``/``v`` (e.g. ``[B, T]`` or ``[N]``); padding
+    tokens point to slot 0, the padding sink. Values are cast to the buffer dtype.
+    """
+    for name, buf in (("k_buf", k_buf), ("v_buf", v_buf)):
+        if buf.dim() != 3:
+            raise ValueError(
+                f"{name} must be [num_slots, kv_heads, head_dim], got shape {tuple(buf.shape)}"
+            )
+    for name, new, buf in (("k", k, k_buf), ("v", v, v_buf)):
+        if tuple(new.shape[-2:]) != tuple(buf.shape[1:]):
+            raise ValueError(
+                f"{name} must end in [kv_heads, head_dim] = {tuple(buf.shape[1:])}, "
+                f"got shape {tuple(new.shape)}"
+            )
+        if tuple(new.shape[:-2]) != tuple(out_cache_loc.shape):
+            raise ValueError(
+                f"{name} leading shape {tuple(new.shape[:-2])} must match out_cache_loc shape "
+                f"{tuple(out_cache_loc.shape)}"
+            )
+    if out_cache_loc.dtype != torch.int64:
+        raise TypeError(f"out_cache_loc must be int64, got {out_cache_loc.dtype}")
+    loc = out_cache_loc.reshape(-1)
+    k_buf.index_copy_(0, loc, k.reshape(-1, *k_buf.shape[1:]).to(k_buf.dtype))
+    v_buf.index_copy_(0, loc, v.reshape(-1, *v_buf.shape[1:]).to(v_buf.dtype))
+
+
+def _require_int(t: torch.Tensor, name: str) -> None:
+    if t.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
+
+
+def _require_rows(rows: torch.Tensor) -> None:
+    _require_int(rows, "rows")
+    if rows.dim() != 2 or rows.shape[1] < 1:
+        raise ValueError(f"rows must be [B, C] with C >= 1, got shape {tuple(rows.shape)}")
+
+
+def _require_slots(slots: torch.Tensor, name: str, buf: torch.Tensor) -> None:
+    if slots.dtype != torch.int64 or slots.dim() != 1:
+        raise TypeError(
+            f"{name} must be a 1-D int64 tensor, got {slots.dtype} shape {tuple(slots.shape)}"
+        )
+    if slots.device != buf.device:
+        raise ValueError(f"{name} is on {slots.device} but buf is on {buf.device}")
