@@ -71,6 +71,7 @@ _FUNCTION_REASONS: dict[Callable[..., Any], str] = {
     torch.nonzero: _DATA_SHAPE,
 }
 
+
 def _cpu_only_host_read(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether ``func`` reads values on the host only because it runs on CPU.
 
@@ -117,6 +118,15 @@ def _user_frame() -> str | None:
             return f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}"
         frame = frame.f_back
     return None
+
+
+def _function_name(func: Any) -> str:
+    """``torch.Tensor.item`` / ``torch.masked_select`` rather than torch's internal class names."""
+    name = getattr(func, "__qualname__", None) or repr(func)
+    for internal, public in (("TensorBase.", "Tensor."), ("_VariableFunctionsClass.", "")):
+        if name.startswith(internal):
+            name = public + name[len(internal) :]
+    return name if name.startswith("Tensor.") else f"torch.{name.rsplit('.', 1)[-1]}"
 
 
 def _reject(op: str, reason: str) -> CaptureSafetyError:
@@ -195,7 +205,7 @@ class _SyncFunctionMode(TorchFunctionMode):
         kwargs = kwargs or {}
         reason = _function_reason(func, args, kwargs)
         if reason is not None:
-            raise _reject(getattr(func, "__qualname__", repr(func)), reason)
+            raise _reject(_function_name(func), reason)
         if _cpu_only_host_read(func, args, kwargs):
             _LOCAL.cpu_only_reads = getattr(_LOCAL, "cpu_only_reads", 0) + 1
             try:
