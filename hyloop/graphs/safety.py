@@ -138,6 +138,11 @@ def _has_bool_index(indices: Any) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in items)
 
 
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """``cuda`` and ``cuda:0`` name the same device when one leaves the index implicit."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
 def _target_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device | None:
     """The device a ``Tensor.to(...)`` call moves to, or None when it keeps the device."""
     candidates = [kwargs.get("device"), *args[1:2]]
@@ -159,7 +164,7 @@ def _function_reason(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
         target = _target_device(args, kwargs)
         if target is not None and target.type == "cpu":
             return "moves the tensor to the host (a no-op on CPU, a sync on GPU)"
-        if target is not None and target != args[0].device:
+        if target is not None and not _same_device(target, args[0].device):
             return f"moves the tensor from {args[0].device} to {target} (a blocking copy)"
     if func is torch.as_tensor and args and not isinstance(args[0], torch.Tensor):
         return "builds a tensor from host data (a blocking host-to-device copy on GPU)"
@@ -183,11 +188,11 @@ def _aten_reason(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> st
             return None
         return _DATA_SHAPE
     if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
-        devices = {a.device for a in args if isinstance(a, torch.Tensor)}
-        if "device" in kwargs and kwargs["device"] is not None:
-            devices.add(torch.device(kwargs["device"]))
-        if len(devices) > 1:
-            return f"copies between devices {sorted(str(d) for d in devices)} (host transfer)"
+        devices = [a.device for a in args[:2] if isinstance(a, torch.Tensor)]
+        if kwargs.get("device") is not None:
+            devices.append(torch.device(kwargs["device"]))
+        if any(not _same_device(devices[0], d) for d in devices[1:]):
+            return f"copies between {devices[0]} and {devices[-1]} (a blocking copy)"
     return None
 
 

@@ -80,7 +80,7 @@ def test_ops_a_captured_step_uses_are_allowed() -> None:
         attn = F.scaled_dot_product_attention(q, q, q, is_causal=True)
         mixed = torch.einsum("bhtd,bhsd->bhts", attn, q)
         hot = F.one_hot(idx, x.shape[-1]).to(x.dtype)
-        rows = x[idx]  # integer (gather-style) indexing has a fixed shape
+        rows = x[idx].to(torch.float64).to(x.dtype)  # integer indexing, dtype casts: fine
         return picked.sum() + masked.sum() + mixed.sum() + (hot * rows).sum()
 
     x, q = torch.randn(4, 8), torch.randn(1, 2, 3, 4)
@@ -110,6 +110,9 @@ PLANTED: dict[str, Callable[[torch.Tensor], object]] = {
     "host_tensor": lambda t: t + torch.tensor([1.0]),
     "numpy_array": lambda t: np.asarray(t.detach()),
     "cuda_synchronize": lambda t: torch.cuda.synchronize(),
+    # Cross-device moves, shown with the meta device since no GPU may be present.
+    "to_other_device": lambda t: t.to("meta"),
+    "copy_across_devices": lambda t: torch.empty(t.shape, device="meta").copy_(t),
 }
 
 
