@@ -1,0 +1,41 @@
+"""The ``hyloop`` command: ``generate`` (offline batch generation) and ``regress``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hyloop", description="hyloop decode-loop framework")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="offline generation (JSONL in, JSONL out)")
+    gen.add_argument("--config", action="append", default=[], help="YAML config (repeatable)")
+    gen.add_argument("--model", help="HF checkpoint dir or .gguf (default: SmolLM2-135M)")
+    gen.add_argument("--input", help="prompts JSONL: {prompt | prompt_token_ids, sampling...}")
+    gen.add_argument("--output", help="output JSONL (default: print texts)")
+    gen.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    gen.add_argument("overrides", nargs="*", help="config overrides, key=value")
+    reg = sub.add_parser("regress", help="graph-vs-eager regression recipe")
+    reg.add_argument("--config", action="append", default=[], help="YAML config (repeatable)")
+    reg.add_argument("--model", help="checkpoint (default: the recipe's)")
+    reg.add_argument("--json", help="write the report as JSON here")
+    reg.add_argument("overrides", nargs="*", help="config overrides, key=value")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "generate":
+            from hyloop.recipes.offline import run_generate
+
+            return run_generate(args)
+        from hyloop.recipes.graph_vs_eager import run_regress
+
+        return run_regress(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"hyloop: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""Assembly: config + checkpoint -> model, pools, cache, runner. Derived sizes live here only."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from hyloop.framework.config import EngineConfig
+from hyloop.framework.model_runner import ModelRunner
+from hyloop.models.loader import LoadedModel, load_model
+from hyloop.models.tokenizer import TextTokenizer
+from hyloop.pools import KVPool, ReqToTokenPool
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DEFAULT_MAX_CONTEXT = 8192
+
+
+@dataclass
+class EngineParts:
+    config: EngineConfig
+    model: nn.Module
+    kv_pool: KVPool
+    req_to_token: ReqToTokenPool
+    cache: Any
+    runner: ModelRunner
+    tokenizer: TextTokenizer | None
+    eos_token_ids: list[int]
+    vocab_size: int
+    max_context: int
+    weight_bytes: int
+    derived: dict[str, Any]
+
+
+def resolve_device(name: str) -> torch.device:
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r}: CUDA is not available on this machine")
+    return dev
+
+
+def build_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
+    device = resolve_device(cfg.device)
+    dtype = DTYPES[cfg.dtype]
+    if loaded is None:
+        if not cfg.model.path:
+            raise ValueError("model.path: no checkpoint given")
+        loaded = load_model(cfg.model.path, dtype, device)
+    model = loaded.model
+    spec = model.spec
+    model_limit = int(getattr(spec, "max_positions", DEFAULT_MAX_CONTEXT))
+    max_context = cfg.model.max_context or min(model_limit, DEFAULT_MAX_CONTEXT)
+    if max_context > model_limit:
+        raise ValueError(
+            f"model.max_context={max_context} exceeds the model's position limit {model_limit}"
+        )
+    page_size = cfg.kv_pool.page_size
+    per_token = KVPool.bytes_per_token(model.num_kv_layers, model.kv_heads, model.head_dim, dtype)
+    num_pages = cfg.kv_pool.num_pages
+    if num_pages is None:
+        budget = int(cfg.kv_pool.memory_budget_mb * 2**20)
+        num_pages = max(2, budget // (per_token * page_size))
+    kv = KVPool(
+        model.num_kv_layers, num_pages, page_size, model.kv_heads, model.head_dim, dtype, device
+    )
+    max_running = cfg.scheduler.max_running_requests
+    req_to_token = ReqToTokenPool(max_running, max_context, device)
+    cache = build_cache(cfg, kv)
+    runner = ModelRunner(model, kv, req_to_token, spec.vocab_size, device)
+    derived = {
+        "max_context": max_context,
+        "kv_pages": num_pages,
+        "kv_tokens": (num_pages - 1) * page_size,
+        "kv_bytes": kv.nbytes(),
+        "cache": type(cache).__name__,
+        "weight_bytes": loaded.weight_bytes,
+    }
+    log.info("hyloop assembly: %s", derived)
+    return EngineParts(
+        config=cfg,
+        model=model,
+        kv_pool=kv,
+        req_to_token=req_to_token,
+        cache=cache,
+        runner=runner,
+        tokenizer=loaded.tokenizer,
+        eos_token_ids=loaded.eos_token_ids,
+        vocab_size=spec.vocab_size,
+        max_context=max_context,
+        weight_bytes=loaded.weight_bytes,
+        derived=derived,
+    )
+
+
+def build_cache(cfg: EngineConfig, kv: KVPool) -> Any:
+    if not cfg.cache.enable:
+        from hyloop.cache.no_reuse import NoReuseCache
+
+        return NoReuseCache(kv_allocator=kv.allocator, page_size=kv.page_size)
+    from hyloop.cache import UnifiedRadixCache
+
+    return UnifiedRadixCache(kv_allocator=kv.allocator, page_size=kv.page_size, components=("full",))

@@ -1,0 +1,335 @@
+"""The engine loop: requests in, scheduled steps, stop checks, cache updates, outputs out."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hyloop.cache.params import DecLockRefParams  # noqa: F401  (receipt type for readers)
+from hyloop.framework.batch import Batch
+from hyloop.framework.request import Request, RequestOutput, Status
+from hyloop.framework.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineStats:
+    def __init__(self) -> None:
+        self.prefill_tokens_computed = 0
+        self.cached_tokens = 0
+        self.prefill_steps = 0
+        self.decode_steps = 0
+        self.decode_tokens = 0
+        self.prefill_time = 0.0
+        self.decode_time = 0.0
+        self.requests_finished = 0
+        self.requests_aborted = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+class Engine:
+    """vLLM-shaped engine: ``add_request`` / ``abort_request`` / ``step`` / ``check_invariants``.
+
+    Built by ``framework.assembly.build_engine``; it owns the scheduler, the model runner, the
+    pools and the cache.
+    """
+
+    def __init__(self, parts: Any) -> None:
+        self.parts = parts
+        self.cfg = parts.config
+        self.runner = parts.runner
+        self.cache = parts.cache
+        self.kv_alloc = parts.kv_pool.allocator
+        self.req_to_token = parts.req_to_token
+        self.tokenizer = parts.tokenizer
+        self.vocab_size: int = parts.vocab_size
+        self.max_context: int = parts.max_context
+        self.eos_ids: frozenset[int] = frozenset(parts.eos_token_ids)
+        self.page_size = self.kv_alloc.page_size
+        self.stats_ = EngineStats()
+        self.capture_logits = False  # debug: keep the logits of every sampled token
+        self.step_hooks: list[Callable[[Engine], None]] = []
+        self._requests: dict[str, Request] = {}
+        self._pending_outputs: list[RequestOutput] = []
+        self._rng = random.Random(self.cfg.seed)
+        self.scheduler = _make_scheduler(self)
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+    ) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r}: id already in use")
+        params = sampling_params or self.default_params()
+        params.validate(f"request {request_id!r} sampling_params")
+        ids = self._prompt_ids(request_id, prompt)
+        max_new = min(params.max_tokens, self.max_context - len(ids))
+        need_pages = self.kv_alloc.pages_for(len(ids) + max_new)
+        if need_pages > self.kv_alloc.num_pages - 1:
+            raise ValueError(
+                f"request {request_id!r}: needs {len(ids) + max_new} KV tokens but the pool holds "
+                f"{self.kv_alloc.capacity}; raise kv_pool.num_pages or lower max_tokens"
+            )
+        stop = set(params.stop_token_ids or [])
+        if not params.ignore_eos:
+            stop |= self.eos_ids
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
+        req = Request(
+            request_id=request_id,
+            prompt_ids=ids,
+            params=params,
+            seed32=seed & 0xFFFFFFFF,
+            max_new=max_new,
+            stop_ids=frozenset(stop),
+            logprobs=[] if params.logprobs is not None else None,
+            logits=[] if self.capture_logits else None,
+        )
+        self._requests[request_id] = req
+        self.scheduler.add(req)
+
+    def default_params(self) -> SamplingParams:
+        d = self.cfg.sampling_defaults
+        return SamplingParams(
+            temperature=d.temperature, top_p=d.top_p, top_k=d.top_k, max_tokens=d.max_tokens
+        )
+
+    def _prompt_ids(self, request_id: str, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    f"request {request_id!r}: a text prompt needs a tokenizer, and this "
+                    "checkpoint has none; pass token ids"
+                )
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list | tuple):
+            ids = list(prompt)
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError(f"request {request_id!r}: prompt token ids must be ints")
+        else:
+            raise ValueError(
+                f"request {request_id!r}: prompt must be a str or a list of token ids, "
+                f"got {type(prompt).__name__}"
+            )
+        if not ids:
+            raise ValueError(f"request {request_id!r}: empty prompt")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"request {request_id!r}: token id {bad[0]} outside the vocab [0, {self.vocab_size})"
+            )
+        if len(ids) >= self.max_context:
+            raise ValueError(
+                f"request {request_id!r}: prompt of {len(ids)} tokens reaches the context limit "
+                f"{self.max_context} (model.max_context); no room to generate"
+            )
+        return ids
+
+    def abort_request(self, request_id: str) -> None:
+        req = self._requests.get(request_id)
+        if req is None or req.status is Status.FINISHED:
+            return  # unknown or finished: a no-op
+        self._finish(req, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work() or bool(self._pending_outputs)
+
+    # -- admission ------------------------------------------------------------------------------
+    def _admit(self, req: Request) -> bool:
+        if self.req_to_token.available() == 0:
+            return False
+        m = self.cache.match_prefix(self._match_params(req.prompt_ids[:-1]))
+        cached = m.prefix_len
+        total = len(req.prompt_ids) + req.max_new
+        own_tokens = total - cached
+        if not self._ensure_free(self.kv_alloc.pages_for(own_tokens)):
+            return False
+        lock = self.cache.inc_lock_ref(m.last_node)
+        own = self.kv_alloc.alloc(own_tokens)
+        assert own is not None
+        req.slots = torch.cat([m.device_indices.to(torch.int64), own]) if cached else own
+        req.own_from = cached
+        req.lock = lock
+        req.num_cached = cached
+        req.num_computed = cached
+        req.req_row = self.req_to_token.alloc()  # type: ignore[assignment]
+        self.req_to_token.write(req.req_row, 0, req.slots[: self.max_context])
+        self.stats_.cached_tokens += cached
+        return True
+
+    def _match_params(self, ids: list[int]) -> Any:
+        from hyloop.cache import MatchPrefixParams, RadixKey
+
+        return MatchPrefixParams(key=RadixKey(ids))
+
+    def _ensure_free(self, pages: int) -> bool:
+        short = pages - self.kv_alloc.num_free_pages()
+        if short > 0 and self.cache.evictable_size() > 0:
+            from hyloop.cache import EvictParams
+
+            self.cache.evict(EvictParams(num_tokens=short * self.page_size))
+        return self.kv_alloc.num_free_pages() >= pages
+
+    # -- the loop -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs = self._pending_outputs
+        self._pending_outputs = []
+        batch = self.scheduler.next_batch()
+        if batch is None:
+            if self.scheduler.waiting and not self.scheduler.running:
+                head = self.scheduler.waiting[0]
+                raise RuntimeError(
+                    f"request {head.request_id!r} cannot be admitted into an idle engine "
+                    "(pool too small for it)"
+                )
+            return outputs
+        t0 = time.perf_counter()
+        result = self.runner.run(batch, keep_logits=self.capture_logits)
+        next_ids = result.next_ids.tolist()
+        dt = time.perf_counter() - t0
+        self._account(batch, dt)
+        outputs.extend(self._process(batch, result, next_ids))
+        for hook in self.step_hooks:
+            hook(self)
+        return outputs
+
+    def _account(self, batch: Batch, dt: float) -> None:
+        s = self.stats_
+        if batch.is_decode:
+            s.decode_steps += 1
+            s.decode_tokens += batch.size
+            s.decode_time += dt
+        else:
+            s.prefill_steps += 1
+            s.prefill_tokens_computed += batch.num_tokens
+            s.prefill_time += dt
+
+    def _process(self, batch: Batch, result: Any, next_ids: list[int]) -> list[RequestOutput]:
+        outs: list[RequestOutput] = []
+        for i, chunk in enumerate(batch.chunks):
+            req = chunk.req
+            if req.status is Status.FINISHED:
+                continue  # aborted while the step ran
+            req.num_computed = chunk.start + chunk.length
+            if not batch.is_decode and not chunk.completes_prompt:
+                continue
+            tok = next_ids[i]
+            req.output_ids.append(tok)
+            if req.logprobs is not None:
+                req.logprobs.append(_logprob_entry(result, i, tok, req.params.logprobs or 0))
+            if req.logits is not None and result.logits is not None:
+                req.logits.append(result.logits[i].clone())
+            reason = None
+            if tok in req.stop_ids:
+                reason = "stop"
+            elif len(req.output_ids) >= req.max_new:
+                reason = "length"
+            if reason is not None:
+                self._finish(req, reason)
+            else:
+                outs.append(self._output(req))
+        return outs
+
+    # -- finishing ------------------------------------------------------------------------------
+    def _finish(self, req: Request, reason: str) -> None:
+        if req.status is Status.RUNNING:
+            self._release(req, commit=reason != "abort")
+        self.scheduler.remove(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        self.stats_.requests_finished += 1
+        if reason == "abort":
+            self.stats_.requests_aborted += 1
+        self._pending_outputs.append(self._output(req))
+        del self._requests[req.request_id]
+
+    def _release(self, req: Request, commit: bool) -> None:
+        """Hand the request's KV to the tree (commit) or back to the allocator, then unlock."""
+        from hyloop.cache import InsertParams, RadixKey
+
+        assert req.slots is not None
+        keep = req.own_from  # slots[:keep] belong to the tree already
+        if commit and req.num_computed > 0:
+            n = req.num_computed
+            r = self.cache.insert(
+                InsertParams(key=RadixKey(req.all_ids[:n]), value=req.slots[:n])
+            )
+            keep = r.aligned_len
+        self.cache.dec_lock_ref(req.lock.to_dec_params())
+        req.lock = None
+        own = req.slots[max(keep, req.own_from) :]
+        if own.numel():
+            self.kv_alloc.free(own)
+        self.req_to_token.free(req.req_row)
+        req.req_row = -1
+        req.slots = None
+
+    def _output(self, req: Request) -> RequestOutput:
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(req.output_ids)
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_ids,
+            token_ids=list(req.output_ids),
+            text=text,
+            finished=req.status is Status.FINISHED,
+            finish_reason=req.finish_reason,
+            num_cached_tokens=req.num_cached,
+            logprobs=list(req.logprobs) if req.logprobs is not None else None,
+        )
+
+    # -- introspection --------------------------------------------------------------------------
+    def request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def request_held_tokens(self) -> int:
+        held = 0
+        for req in self.scheduler.running:
+            if req.slots is not None:
+                held += req.slots.numel() - req.own_from
+        return held
+
+    def check_invariants(self) -> None:
+        """Ledger: free + request-held + tree-held == capacity; pools and tree consistent."""
+        self.kv_alloc.check_invariants()
+        self.req_to_token.check_invariants()
+        self.cache.check_invariants(request_held_tokens=self.request_held_tokens())
+
+    def stats(self) -> dict[str, Any]:
+        d = self.stats_.as_dict()
+        d.update(self.runner.graph_stats())
+        d["weight_bytes"] = self.parts.weight_bytes
+        d["kv_free_tokens"] = self.kv_alloc.available_size()
+        d["kv_capacity_tokens"] = self.kv_alloc.capacity
+        d["cache_evictable_tokens"] = self.cache.evictable_size()
+        return d
+
+
+def _logprob_entry(result: Any, i: int, tok: int, k: int) -> dict[int, float]:
+    entry = {tok: float(result.chosen_lp[i])}
+    if k > 0:
+        for lp, tid in zip(result.top_lp[i, :k].tolist(), result.top_ids[i, :k].tolist(), strict=True):
+            entry[int(tid)] = float(lp)
+    return entry
+
+
+def _make_scheduler(engine: Engine) -> Any:
+    from hyloop.framework.scheduler import Scheduler
+
+    s = engine.cfg.scheduler
+    return Scheduler(
+        max_running=min(s.max_running_requests, engine.req_to_token.max_requests),
+        prefill_chunk=s.prefill_chunk,
+        prefill_token_budget=s.prefill_token_budget,
+        admit=engine._admit,
+    )

@@ -1,0 +1,172 @@
+"""Turns a scheduled batch into step inputs, runs the step and returns host-side results.
+
+The step function ``decode_step(model, ctx, sampling)`` is the unit a graph backend captures:
+forward, last-token logits, sampling and logprobs, all tensor ops with no host sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hyloop.framework.batch import Batch
+from hyloop.graphs.context import StepContext
+from hyloop.graphs.sampler import sample, token_hashes
+from hyloop.pools import KVPool, ReqToTokenPool
+
+
+@dataclass
+class SamplingTensors:
+    temperature: torch.Tensor  # [B] f32
+    top_k: torch.Tensor  # [B] int64 (vocab size when disabled)
+    top_p: torch.Tensor  # [B] f32
+    seeds: torch.Tensor  # [B] int64, 32-bit values
+    out_pos: torch.Tensor  # [B] int64 index of the token being sampled in the output
+    filtered: bool  # static: some row restricts top-k / top-p
+    num_logprobs: int  # static: top-k logprobs to return (0 = none)
+
+
+@dataclass
+class StepOutput:
+    next_ids: torch.Tensor  # [B] int64
+    logits: torch.Tensor | None  # [B, V] fp32 when asked
+    top_lp: torch.Tensor | None  # [B, K] logprobs of the top tokens
+    top_ids: torch.Tensor | None  # [B, K]
+    chosen_lp: torch.Tensor | None  # [B] logprob of the sampled token
+
+
+def run_step(
+    model: nn.Module,
+    ctx: StepContext,
+    st: SamplingTensors,
+    tok_hash: torch.Tensor,
+    keep_logits: bool = False,
+) -> StepOutput:
+    """One forward + sample. Shapes are fixed by ``ctx`` and ``st``: capture-safe."""
+    hidden = model(ctx)
+    rows = torch.arange(hidden.shape[0], device=hidden.device)
+    last = hidden[rows, ctx.last_index]
+    logits = model.compute_logits(last)
+    next_ids = sample(
+        logits, st.temperature, st.top_k, st.top_p, st.seeds, st.out_pos, tok_hash, st.filtered
+    )
+    top_lp = top_ids = chosen = None
+    if st.num_logprobs > 0:
+        lp = logits.log_softmax(dim=-1)
+        chosen = lp.gather(1, next_ids[:, None]).squeeze(1)
+        top_lp, top_ids = lp.topk(st.num_logprobs, dim=-1)
+    return StepOutput(next_ids, logits if keep_logits else None, top_lp, top_ids, chosen)
+
+
+class ModelRunner:
+    """Owns the model and pools; builds ``StepContext`` for a batch and runs it eagerly."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        kv: KVPool,
+        req_to_token: ReqToTokenPool,
+        vocab_size: int,
+        device: torch.device,
+        recurrent: object | None = None,
+    ) -> None:
+        self.model = model
+        self.kv = kv
+        self.req_to_token = req_to_token
+        self.vocab_size = vocab_size
+        self.device = device
+        self.recurrent = recurrent
+        self.tok_hash = token_hashes(vocab_size, device)
+
+    # -- inputs ---------------------------------------------------------------------------------
+    def build_context(self, batch: Batch) -> StepContext:
+        if batch.is_decode:
+            return self._decode_context(batch)
+        chunks = batch.chunks
+        b = len(chunks)
+        t = max(c.length for c in chunks)
+        ids = torch.zeros(b, t, dtype=torch.int64)
+        pos = torch.zeros(b, t, dtype=torch.int64)
+        loc = torch.zeros(b, t, dtype=torch.int64)
+        limit = self.req_to_token.max_context - 1
+        for i, c in enumerate(chunks):
+            req = c.req
+            tokens = req.all_ids[c.start : c.start + c.length]
+            ids[i, : c.length] = torch.tensor(tokens, dtype=torch.int64)
+            pos[i] = torch.arange(c.start, c.start + t).clamp_max(limit)
+            loc[i, : c.length] = req.slots[c.start : c.start + c.length]
+        return self._context(batch, ids, pos, loc)
+
+    def _decode_context(self, batch: Batch) -> StepContext:
+        ids, pos, loc = [], [], []
+        for c in batch.chunks:
+            req = c.req
+            ids.append(req.output_ids[-1])
+            pos.append(c.start)
+            loc.append(int(req.slots[c.start]))
+        as_col = lambda xs: torch.tensor(xs, dtype=torch.int64).view(-1, 1)  # noqa: E731
+        return self._context(batch, as_col(ids), as_col(pos), as_col(loc))
+
+    def _context(
+        self, batch: Batch, ids: torch.Tensor, pos: torch.Tensor, loc: torch.Tensor
+    ) -> StepContext:
+        chunks = batch.chunks
+        dev = self.device
+        i64 = torch.int64
+        prefix = [c.start for c in chunks]
+        ext = [c.length for c in chunks]
+        return StepContext(
+            input_ids=ids.to(dev),
+            positions=pos.to(dev),
+            out_cache_loc=loc.to(dev),
+            req_rows=torch.tensor([c.req.req_row for c in chunks], dtype=i64, device=dev),
+            prefix_lens=torch.tensor(prefix, dtype=i64, device=dev),
+            extend_lens=torch.tensor(ext, dtype=i64, device=dev),
+            req_to_token=self.req_to_token.table,
+            kv_len=max(p + e for p, e in zip(prefix, ext, strict=True)),
+            kv=self.kv,
+            recurrent=self.recurrent,
+            state_slots=torch.tensor([c.req.state_slot for c in chunks], dtype=i64, device=dev),
+            track_slots=torch.zeros(len(chunks), dtype=i64, device=dev),
+            is_decode=batch.is_decode,
+        )
+
+    def build_sampling(self, batch: Batch) -> SamplingTensors:
+        temps, topk, topp, seeds, outpos = [], [], [], [], []
+        filtered, nlp = False, 0
+        for c in batch.chunks:
+            p = c.req.params
+            temps.append(p.temperature)
+            topk.append(self.vocab_size if p.top_k == -1 else min(p.top_k, self.vocab_size))
+            topp.append(p.top_p)
+            seeds.append(c.req.seed32)
+            outpos.append(len(c.req.output_ids))
+            filtered = filtered or p.needs_filter
+            if p.logprobs is not None:
+                nlp = max(nlp, p.logprobs, 1)
+        dev = self.device
+        return SamplingTensors(
+            temperature=torch.tensor(temps, dtype=torch.float32, device=dev),
+            top_k=torch.tensor(topk, dtype=torch.int64, device=dev),
+            top_p=torch.tensor(topp, dtype=torch.float32, device=dev),
+            seeds=torch.tensor(seeds, dtype=torch.int64, device=dev),
+            out_pos=torch.tensor(outpos, dtype=torch.int64, device=dev),
+            filtered=filtered,
+            num_logprobs=min(nlp, self.vocab_size),
+        )
+
+    def graph_stats(self) -> dict[str, int]:
+        return _no_graph_stats()
+
+    # -- run ------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, batch: Batch, keep_logits: bool = False) -> StepOutput:
+        ctx = self.build_context(batch)
+        st = self.build_sampling(batch)
+        return run_step(self.model, ctx, st, self.tok_hash, keep_logits)
+
+
+def _no_graph_stats() -> dict[str, int]:
+    return {"graph_replays": 0, "eager_fallbacks": 0, "recompiles": 0}

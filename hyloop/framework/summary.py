@@ -1,0 +1,37 @@
+"""The one-screen run summary: config in force, buckets, replays, fallbacks, cache, pools."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def render_summary(llm: Any) -> str:
+    cfg = llm.config
+    s = llm.stats()
+    d = llm.parts.derived
+    pt, dt = s["prefill_time"], s["decode_time"]
+    lines = [
+        "── hyloop run summary " + "─" * 40,
+        f"model          {cfg.model.path}",
+        f"device/dtype   {cfg.device} / {cfg.dtype}    weights {s['weight_bytes'] / 2**20:.1f} MiB",
+        f"backend        {cfg.graphs.backend}    buckets {cfg.graphs.buckets}",
+        f"graph replays  {s['graph_replays']}    eager fallbacks {s['eager_fallbacks']}    "
+        f"recompiles {s['recompiles']}",
+        f"kv pool        page_size {cfg.kv_pool.page_size}    pages {d['kv_pages']}    "
+        f"free {s['kv_free_tokens']}/{s['kv_capacity_tokens']} tokens",
+        f"cache          {'on' if cfg.cache.enable else 'off'} ({d['cache']})    "
+        f"cached tokens {s['cached_tokens']}    evictable {s['cache_evictable_tokens']}",
+        f"lookahead      {'on' if cfg.lookahead.enable else 'off'} "
+        f"(min_batch {cfg.lookahead.min_batch})",
+        f"scheduler      max_running {cfg.scheduler.max_running_requests}    "
+        f"prefill_chunk {cfg.scheduler.prefill_chunk}    budget {cfg.scheduler.prefill_token_budget}",
+        f"requests       finished {s['requests_finished']}    aborted {s['requests_aborted']}",
+        f"prefill        {s['prefill_tokens_computed']} tokens in {s['prefill_steps']} steps"
+        + (f"    {s['prefill_tokens_computed'] / pt:.0f} tok/s" if pt else ""),
+        f"decode         {s['decode_tokens']} tokens in {s['decode_steps']} steps"
+        + (f"    {s['decode_tokens'] / dt:.1f} tok/s" if dt else ""),
+    ]
+    extra = s.get("lookahead_hidden_host_s")
+    if extra is not None:
+        lines.append(f"host hidden    {extra:.3f} s by lookahead")
+    return "\n".join(lines)

