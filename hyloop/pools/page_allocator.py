@@ -6,6 +6,7 @@ reserved as the padding sink: padded rows of a captured step write there and not
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -21,15 +22,23 @@ class PageAllocator:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if num_pages < 2:
-            raise ValueError(f"num_pages must be >= 2 (page 0 is the padding sink), got {num_pages}")
+            raise ValueError(
+                f"num_pages must be >= 2 (page 0 is the padding sink), got {num_pages}"
+            )
         self.num_pages = num_pages
         self.page_size = page_size
         self.device = torch.device(device)
-        # LIFO free list: recently freed pages are reused first (warm in cache).
-        self._free_pages: list[int] = list(range(num_pages - 1, 0, -1))
-        self._is_free = bytearray(num_pages)
-        for p in self._free_pages:
-            self._is_free[p] = 1
+        # LIFO free stack ``_stack[:_top]``: recently freed pages are reused first (warm in
+        # cache). numpy arrays keep alloc/free vectorized: the radix cache frees hundreds of
+        # slots per insert/evict, and a per-page Python loop dominated that cost.
+        self._stack = np.zeros(num_pages, dtype=np.int64)
+        self._stack[: num_pages - 1] = np.arange(num_pages - 1, 0, -1, dtype=np.int64)
+        self._top = num_pages - 1
+        # NOTE: page 0 reads as free so that freeing it trips the double-free check; it is
+        # never on the stack.
+        self._is_free = np.ones(num_pages, dtype=np.bool_)
+        self._mark = np.zeros(num_pages, dtype=np.int64)
+        self._order = np.arange(num_pages, dtype=np.int64)
         self._page_offsets = torch.arange(page_size, dtype=torch.int64)
 
     # -- capacity -------------------------------------------------------------------------------
@@ -40,10 +49,10 @@ class PageAllocator:
 
     def available_size(self) -> int:
         """Free token slots."""
-        return len(self._free_pages) * self.page_size
+        return self._top * self.page_size
 
     def num_free_pages(self) -> int:
-        return len(self._free_pages)
+        return self._top
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -54,43 +63,76 @@ class PageAllocator:
         if num_tokens <= 0:
             return torch.empty(0, dtype=torch.int64)
         n = self.pages_for(num_tokens)
-        if n > len(self._free_pages):
+        if n > self._top:
             return None
-        pages = self._free_pages[-n:]
-        del self._free_pages[-n:]
-        for p in pages:
-            self._is_free[p] = 0
+        top = self._top - n
+        pages = torch.from_numpy(self._stack[top : self._top].copy())
+        self._top = top
+        self._is_free[pages.numpy()] = False
         if self.page_size == 1:
-            return torch.tensor(pages, dtype=torch.int64)
-        base = torch.tensor(pages, dtype=torch.int64) * self.page_size
-        return (base[:, None] + self._page_offsets[None, :]).reshape(-1)
+            return pages
+        return (pages[:, None] * self.page_size + self._page_offsets[None, :]).reshape(-1)
 
     def free(self, indices: torch.Tensor) -> None:
         """Return the pages that ``indices`` cover. Freeing a free page or page 0 is an error."""
         if indices.numel() == 0:
             return
-        if self.page_size == 1:
-            pages = indices.tolist()
+        if indices.dtype == torch.int64 and indices.device.type == "cpu":
+            idx = indices.numpy()
         else:
-            pages = torch.unique(indices // self.page_size).tolist()
-        is_free = self._is_free
-        for p in pages:
-            if p <= 0 or p >= self.num_pages:
-                raise ValueError(f"free of slot in page {p}: outside 1..{self.num_pages - 1}")
-            if is_free[p]:
-                raise ValueError(f"double free of page {p}")
-        for p in pages:
-            is_free[p] = 1
-        self._free_pages.extend(pages)
+            idx = indices.detach().to("cpu", torch.int64).numpy()
+        idx = idx.reshape(-1)
+        pages = idx if self.page_size == 1 else idx // self.page_size
+        if self.page_size > 1 and len(pages) > 1:
+            # Slots of one page usually come in a run; keep the first of each run.
+            keep = np.empty(len(pages), dtype=np.bool_)
+            keep[0] = True
+            np.not_equal(pages[1:], pages[:-1], out=keep[1:])
+            pages = pages[keep]
+        # Viewed unsigned, a negative page is huge: one max() checks both ends of the range.
+        if int(pages.view(np.uint64).max()) >= self.num_pages or len(pages) >= self.num_pages:
+            raise ValueError(
+                f"free of slots {_describe(idx)}: pages outside 1..{self.num_pages - 1} "
+                f"or more pages than the pool holds"
+            )
+        # A repeated page writes its later position into ``_mark``, so its earlier position
+        # reads back a different one: that detects repeats without sorting. Page 0 is marked
+        # free for good, so freeing it reads as a double free here and is reported below.
+        order = self._order[: len(pages)]
+        mark = self._mark
+        mark[pages] = order
+        if ((mark[pages] != order) | self._is_free[pages]).any():
+            if self.page_size > 1 and not self._is_free[pages].any():
+                pages = np.unique(pages)  # one page's slots given out of order: not an error
+            else:
+                self._raise_bad_free(pages)
+        self._is_free[pages] = True
+        top = self._top
+        self._stack[top : top + len(pages)] = pages
+        self._top = top + len(pages)
 
     def free_page_ids(self) -> set[int]:
-        return set(self._free_pages)
+        return set(self._stack[: self._top].tolist())
 
     def check_invariants(self) -> None:
-        free = self._free_pages
-        if len(set(free)) != len(free):
+        free = self._stack[: self._top]
+        if len(np.unique(free)) != len(free):
             raise AssertionError("page allocator: duplicate page in the free list")
-        if 0 in free:
+        if (free == 0).any():
             raise AssertionError("page allocator: the padding page 0 is in the free list")
-        if sum(self._is_free) != len(free):
+        if int(self._is_free.sum()) - 1 != len(free) or not self._is_free[0]:
             raise AssertionError("page allocator: free bitmap and free list disagree")
+
+    def _raise_bad_free(self, pages: np.ndarray) -> None:
+        if (pages == 0).any():
+            raise ValueError(f"free of slot in page 0: outside 1..{self.num_pages - 1}")
+        already = self._is_free[pages]
+        if already.any():
+            raise ValueError(f"double free of page {int(pages[already.argmax()])}")
+        values, counts = np.unique(pages, return_counts=True)
+        raise ValueError(f"double free of page {int(values[counts > 1][0])} (repeated in one call)")
+
+
+def _describe(idx: np.ndarray) -> str:
+    head = idx[:8].tolist()
+    return f"{head}{'...' if len(idx) > 8 else ''}"

@@ -1,0 +1,160 @@
+"""FULL component: the KV backbone of every node, path-to-root locks, leaf-first LRU eviction."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hyloop.cache.component_base import CacheComponent
+from hyloop.cache.lru import LeafHeap
+from hyloop.cache.node import FULL, TreeNode
+
+if TYPE_CHECKING:
+    from hyloop.cache.tree import UnifiedRadixCache
+
+
+def _full_stamp(node: TreeNode) -> int:
+    return node.component_data[FULL].last_access
+
+
+class FullComponent(CacheComponent):
+    """Every non-root node holds FULL KV (there are no FULL tombstones: evicting FULL removes
+    the node). A lock pins the whole path to the root; eviction removes unlocked leaves in LRU
+    order from a persistent lazy heap, so a parent joins the heap once its last child is gone.
+
+    NOTE: a match or insert stamps the whole path with one counter value, so a parent's stamp is
+    never older than its children's; ``check`` verifies it.
+    """
+
+    kind = FULL
+    name = "full"
+    priority = 2
+
+    def __init__(self, cache: UnifiedRadixCache) -> None:
+        super().__init__(cache)
+        self.heap = LeafHeap(_full_stamp)
+
+    def _is_evictable_leaf(self, node: TreeNode) -> bool:
+        return not node.children and node.component_data[FULL].lock_ref == 0
+
+    def note_leaf(self, node: TreeNode) -> None:
+        """``node`` may have become an evictable leaf: give it a heap entry."""
+        if (
+            node.parent is not None
+            and not node.children
+            and node.component_data[FULL].lock_ref == 0
+        ):
+            self.heap.push(node)
+
+    # -- match / structure ----------------------------------------------------------------------
+    def on_match(self, node: TreeNode, stamp: int) -> None:
+        leaf = node
+        while node.parent is not None:
+            node.component_data[FULL].last_access = stamp
+            node = node.parent
+        self.note_leaf(leaf)
+
+    def on_new_node(self, node: TreeNode, stamp: int) -> None:
+        node.component_data[FULL].last_access = stamp
+        self.evictable += node.length
+
+    def on_insert_overlap(self, node: TreeNode, stamp: int) -> None:
+        node.component_data[FULL].last_access = stamp
+
+    def on_split(self, upper: TreeNode, lower: TreeNode) -> None:
+        src = lower.component_data[FULL]
+        dst = upper.component_data[FULL]
+        dst.lock_ref = src.lock_ref
+        dst.last_access = src.last_access
+
+    def on_delete(self, node: TreeNode) -> None:
+        cd = node.component_data[FULL]
+        self.evictable -= node.length
+        self.cache._kv_to_free.append(cd.value)
+        cd.value = None
+
+    # -- locks ----------------------------------------------------------------------------------
+    def lock(self, node: TreeNode) -> int:
+        delta = 0
+        while node.parent is not None:
+            cd = node.component_data[FULL]
+            if cd.lock_ref == 0:
+                delta += node.length
+            cd.lock_ref += 1
+            node = node.parent
+        self.evictable -= delta
+        self.protected += delta
+        return delta
+
+    def unlock(self, node: TreeNode, token: object) -> None:
+        delta = 0
+        while node.parent is not None:
+            cd = node.component_data[FULL]
+            cd.lock_ref -= 1
+            if cd.lock_ref == 0:
+                delta += node.length
+                if not node.children:
+                    self.heap.push(node)
+            node = node.parent
+        self.evictable += delta
+        self.protected -= delta
+
+    def expected_locks(self, node: TreeNode, token: object, counts: dict[int, int]) -> None:
+        while node.parent is not None:
+            counts[node.id] = counts.get(node.id, 0) + 1
+            node = node.parent
+
+    # -- eviction -------------------------------------------------------------------------------
+    def evict(self, amount: int) -> int:
+        evicted = 0
+        cache = self.cache
+        while evicted < amount:
+            node = self.heap.pop_valid(self._is_evictable_leaf)
+            if node is None:
+                break
+            evicted += node.length
+            cache._delete_leaf(node)
+        self.heap.maybe_rebuild(self._evictable_leaves, len(cache.leaves))
+        return evicted
+
+    def _evictable_leaves(self) -> list[TreeNode]:
+        return [n for n in self.cache.leaves if n.component_data[FULL].lock_ref == 0]
+
+    # -- checks ---------------------------------------------------------------------------------
+    def check(self, nodes: list[TreeNode]) -> None:
+        evictable = protected = 0
+        for node in nodes:
+            cd = node.component_data[FULL]
+            if cd.value is None:
+                raise AssertionError(f"full: node {node.id} in the tree has no FULL value")
+            if cd.value.numel() != node.length:
+                raise AssertionError(
+                    f"full: node {node.id} holds {cd.value.numel()} indices for "
+                    f"{node.length} tokens"
+                )
+            if cd.lock_ref < 0:
+                raise AssertionError(f"full: node {node.id} has lock_ref {cd.lock_ref}")
+            parent = node.parent
+            assert parent is not None
+            if parent.parent is not None:
+                pcd = parent.component_data[FULL]
+                if pcd.last_access < cd.last_access:
+                    raise AssertionError(
+                        f"full: parent {parent.id} (stamp {pcd.last_access}) is older than "
+                        f"child {node.id} (stamp {cd.last_access})"
+                    )
+                if pcd.lock_ref < cd.lock_ref:
+                    raise AssertionError(
+                        f"full: parent {parent.id} lock_ref {pcd.lock_ref} < child {node.id} "
+                        f"lock_ref {cd.lock_ref}"
+                    )
+            if cd.lock_ref:
+                protected += node.length
+            else:
+                evictable += node.length
+                if not node.children and not self.heap.has_entry(node):
+                    raise AssertionError(f"full: evictable leaf {node.id} has no heap entry")
+        if (evictable, protected) != (self.evictable, self.protected):
+            raise AssertionError(
+                f"full: sizes (evictable, protected) = {(self.evictable, self.protected)}, "
+                f"recomputed {(evictable, protected)}"
+            )

@@ -1,0 +1,154 @@
+"""RECURRENT component: recurrent-state snapshots on nodes, single-node locks.
+
+A snapshot slot on a node holds the recurrent state after the node's last token, so a recurrent
+hit needs a snapshot exactly at the hit boundary: the deepest matched node carrying one. The
+engine copies that snapshot into the request's own slot (copy-on-write); the tree keeps its
+slot. Snapshots may sit on internal nodes; eviction tombstones them there (priority 0) and
+removes a snapshot leaf whole.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hyloop.cache.component_base import CacheComponent
+from hyloop.cache.lru import LRUList
+from hyloop.cache.node import FULL, RECURRENT, TreeNode
+from hyloop.pools.slot_allocator import SlotAllocator
+
+if TYPE_CHECKING:
+    from hyloop.cache.tree import UnifiedRadixCache
+
+
+class RecurrentComponent(CacheComponent):
+    kind = RECURRENT
+    name = "recurrent"
+    priority = 0
+
+    def __init__(self, cache: UnifiedRadixCache, allocator: SlotAllocator) -> None:
+        super().__init__(cache)
+        if not isinstance(allocator, SlotAllocator):
+            raise TypeError(
+                f"recurrent_allocator must be a SlotAllocator, got {type(allocator).__name__}"
+            )
+        self.allocator = allocator
+        self.lru = LRUList()
+
+    # -- match ----------------------------------------------------------------------------------
+    def hits_at(self, ctx: object, path: list[TreeNode], i: int, m: int) -> bool:
+        if m:
+            return False  # inside a node there is no state
+        return i == 0 or path[i - 1].component_data[RECURRENT].value is not None
+
+    def on_match(self, node: TreeNode, stamp: int) -> None:
+        # Only the snapshot that is used is refreshed, not the chain above it.
+        cd = node.component_data[RECURRENT]
+        if cd.value is not None:
+            self.lru.push_mru(cd, stamp)
+
+    # -- structure ------------------------------------------------------------------------------
+    def attach(self, node: TreeNode, slot: int, stamp: int) -> bool:
+        """Give ``node`` the snapshot ``slot``; returns True when stored, False when ``node``
+        already had one (then ``slot`` is a duplicate and is freed)."""
+        cd = node.component_data[RECURRENT]
+        if cd.value is not None:
+            if cd.value != slot:
+                self.cache._slots_to_free.append(slot)
+            self.lru.push_mru(cd, stamp)
+            return False
+        cd.value = slot
+        if cd.lock_ref:
+            self.protected += 1
+        else:
+            self.evictable += 1
+        self.lru.push_mru(cd, stamp)
+        return True
+
+    def on_split(self, upper: TreeNode, lower: TreeNode) -> None:
+        # The state after the segment's last token stays with the lower half; the new upper
+        # half has none and no single-node lock.
+        return
+
+    def drop(self, node: TreeNode) -> int:
+        cd = node.component_data[RECURRENT]
+        if cd.value is None:
+            return 0
+        self.lru.remove(cd)
+        self.cache._slots_to_free.append(cd.value)
+        cd.value = None
+        self.evictable -= 1
+        return 1
+
+    def on_delete(self, node: TreeNode) -> None:
+        self.drop(node)
+
+    # -- locks ----------------------------------------------------------------------------------
+    def lock(self, node: TreeNode) -> bool:
+        cd = node.component_data[RECURRENT]
+        if cd.value is None:
+            return False
+        if cd.lock_ref == 0:
+            self.evictable -= 1
+            self.protected += 1
+        cd.lock_ref += 1
+        return True
+
+    def unlock(self, node: TreeNode, token: object) -> None:
+        if not token:
+            return
+        cd = node.component_data[RECURRENT]
+        cd.lock_ref -= 1
+        if cd.lock_ref == 0:
+            self.evictable += 1
+            self.protected -= 1
+
+    def expected_locks(self, node: TreeNode, token: object, counts: dict[int, int]) -> None:
+        if token:
+            counts[node.id] = counts.get(node.id, 0) + 1
+
+    # -- eviction -------------------------------------------------------------------------------
+    def evict(self, amount: int) -> int:
+        evicted = 0
+        cache = self.cache
+        for cd in self.lru.from_tail():
+            if evicted >= amount:
+                break
+            if cd.lock_ref:
+                continue
+            node = cd.node
+            if not node.children and node.component_data[FULL].lock_ref == 0:
+                cache._delete_leaf(node)
+                evicted += 1
+            elif cache._tombstone(node, self):
+                evicted += 1
+        return evicted
+
+    # -- checks ---------------------------------------------------------------------------------
+    def check(self, nodes: list[TreeNode]) -> None:
+        listed = {id(cd) for cd in self.lru.check("recurrent")}
+        evictable = protected = 0
+        seen: set[int] = set()
+        for node in nodes:
+            cd = node.component_data[RECURRENT]
+            if cd.lock_ref < 0 or (cd.lock_ref and cd.value is None):
+                raise AssertionError(
+                    f"recurrent: node {node.id} lock_ref {cd.lock_ref} with value {cd.value}"
+                )
+            if (cd.value is not None) != (id(cd) in listed):
+                raise AssertionError(f"recurrent: node {node.id} LRU membership disagrees")
+            if cd.value is None:
+                continue
+            if cd.value in seen:
+                raise AssertionError(f"recurrent: slot {cd.value} is held by two nodes")
+            seen.add(cd.value)
+            if cd.lock_ref:
+                protected += 1
+            else:
+                evictable += 1
+        if len(listed) != len(seen):
+            raise AssertionError("recurrent: LRU holds nodes that are not in the tree")
+        if (evictable, protected) != (self.evictable, self.protected):
+            raise AssertionError(
+                f"recurrent: sizes (evictable, protected) = {(self.evictable, self.protected)}, "
+                f"recomputed {(evictable, protected)}"
+            )

@@ -1,0 +1,195 @@
+"""SWA component: sliding-window KV, reusable only where the last ``window`` tokens are present.
+
+hyloop's KV pool gives every layer the same slot indices, so the SWA value of a node is its
+FULL slots seen by the window layers. A tombstone marks the window layers' entries there as not
+reusable: a hit must end where the ``window`` tokens before it all carry SWA data (or reach the
+root). Tombstoning frees no slots here because FULL still holds them; the accounting is kept
+per component so a pool with separate window slots can free into its own allocator.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hyloop.cache.component_base import CacheComponent
+from hyloop.cache.lru import LRUList
+from hyloop.cache.node import FULL, SWA, TreeNode
+
+if TYPE_CHECKING:
+    from hyloop.cache.tree import UnifiedRadixCache
+
+# Run length standing for "no tombstone between the root and here".
+_FROM_ROOT = 1 << 62
+
+
+class SWAComponent(CacheComponent):
+    """Window-limited hits, locks and LRU refresh; internal nodes are tombstoned on eviction."""
+
+    kind = SWA
+    name = "swa"
+    priority = 1
+
+    def __init__(self, cache: UnifiedRadixCache, window: int) -> None:
+        super().__init__(cache)
+        if not isinstance(window, int) or window < 1:
+            raise ValueError(f"sliding_window must be an int >= 1, got {window!r}")
+        self.window = window
+        self.lru = LRUList()
+
+    # -- match ----------------------------------------------------------------------------------
+    def hit_context(self, path: list[TreeNode]) -> list[int]:
+        """For each path node, the SWA-present run of tokens just before it."""
+        runs = []
+        run = _FROM_ROOT
+        for node in path:
+            runs.append(run)
+            run = 0 if node.component_data[SWA].value is None else run + node.length
+        return runs
+
+    def hits_at(self, ctx: list[int], path: list[TreeNode], i: int, m: int) -> bool:
+        if m == 0:
+            if i == 0:
+                return True
+            i -= 1
+            m = len(path[i].key)
+        if path[i].component_data[SWA].value is None:
+            return False
+        return ctx[i] + m >= self.window
+
+    def _window_nodes(self, node: TreeNode) -> list[TreeNode]:
+        """``node`` and the ancestors that the ``window`` tokens ending at it reach into."""
+        out = []
+        covered = 0
+        while node.parent is not None and covered < self.window:
+            out.append(node)
+            covered += node.length
+            node = node.parent
+        return out
+
+    def on_match(self, node: TreeNode, stamp: int) -> None:
+        # Only the window before the hit is reusable, so only it is refreshed; the deepest node
+        # goes in last and ends up most recent.
+        for n in reversed(self._window_nodes(node)):
+            cd = n.component_data[SWA]
+            if cd.value is not None:
+                self.lru.push_mru(cd, stamp)
+
+    # -- structure ------------------------------------------------------------------------------
+    def _set(self, node: TreeNode, stamp: int) -> None:
+        cd = node.component_data[SWA]
+        cd.value = node.component_data[FULL].value
+        if cd.lock_ref:
+            self.protected += node.length
+        else:
+            self.evictable += node.length
+        self.lru.push_mru(cd, stamp)
+
+    def on_new_node(self, node: TreeNode, stamp: int) -> None:
+        self._set(node, stamp)
+
+    def on_insert_overlap(self, node: TreeNode, stamp: int) -> None:
+        # The inserting request just computed these tokens, window layers included.
+        if node.component_data[SWA].value is None:
+            self._set(node, stamp)
+
+    def on_split(self, upper: TreeNode, lower: TreeNode) -> None:
+        src = lower.component_data[SWA]
+        dst = upper.component_data[SWA]
+        dst.lock_ref = src.lock_ref
+        if src.value is not None:
+            src.value = lower.component_data[FULL].value
+            dst.value = upper.component_data[FULL].value
+            self.lru.insert_after(src, dst)
+
+    def drop(self, node: TreeNode) -> int:
+        """Tombstone ``node``'s SWA data (unlocked); returns the tokens dropped."""
+        cd = node.component_data[SWA]
+        if cd.value is None:
+            return 0
+        self.lru.remove(cd)
+        cd.value = None
+        self.evictable -= node.length
+        return node.length
+
+    def on_delete(self, node: TreeNode) -> None:
+        self.drop(node)
+
+    # -- locks ----------------------------------------------------------------------------------
+    def lock(self, node: TreeNode) -> int:
+        """Lock the window ending at ``node``; returns the token depth where the lock starts.
+
+        NOTE: the receipt keeps a depth, not a boundary node, so a later split of the boundary
+        node (both halves inherit its lock_ref) is released exactly.
+        """
+        start = node.depth
+        for n in self._window_nodes(node):
+            cd = n.component_data[SWA]
+            if cd.lock_ref == 0 and cd.value is not None:
+                self.evictable -= n.length
+                self.protected += n.length
+            cd.lock_ref += 1
+            start = n.start_depth
+        return start
+
+    def unlock(self, node: TreeNode, token: object) -> None:
+        assert isinstance(token, int)
+        while node.parent is not None and node.depth > token:
+            cd = node.component_data[SWA]
+            cd.lock_ref -= 1
+            if cd.lock_ref == 0 and cd.value is not None:
+                self.evictable += node.length
+                self.protected -= node.length
+            node = node.parent
+
+    def expected_locks(self, node: TreeNode, token: object, counts: dict[int, int]) -> None:
+        assert isinstance(token, int)
+        while node.parent is not None and node.depth > token:
+            counts[node.id] = counts.get(node.id, 0) + 1
+            node = node.parent
+
+    # -- eviction -------------------------------------------------------------------------------
+    def evict(self, amount: int) -> int:
+        evicted = 0
+        cache = self.cache
+        for cd in self.lru.from_tail():
+            if evicted >= amount:
+                break
+            if cd.lock_ref:
+                continue
+            node = cd.node
+            if not node.children and node.component_data[FULL].lock_ref == 0:
+                # A leaf's priority is 0 for every component: the whole leaf goes.
+                evicted += node.length
+                cache._delete_leaf(node)
+            elif cache._tombstone(node, self):
+                evicted += node.length
+        return evicted
+
+    # -- checks ---------------------------------------------------------------------------------
+    def check(self, nodes: list[TreeNode]) -> None:
+        listed = {id(cd) for cd in self.lru.check("swa")}
+        evictable = protected = 0
+        for node in nodes:
+            cd = node.component_data[SWA]
+            full_lock = node.component_data[FULL].lock_ref
+            if cd.lock_ref < 0 or cd.lock_ref > full_lock:
+                raise AssertionError(
+                    f"swa: node {node.id} lock_ref {cd.lock_ref} outside 0..{full_lock} (full)"
+                )
+            if (cd.value is not None) != (id(cd) in listed):
+                raise AssertionError(f"swa: node {node.id} LRU membership disagrees with value")
+            if cd.value is None:
+                continue
+            if cd.value is not node.component_data[FULL].value:
+                raise AssertionError(f"swa: node {node.id} SWA value is not its FULL slots")
+            if cd.lock_ref:
+                protected += node.length
+            else:
+                evictable += node.length
+        if len(listed) != sum(1 for n in nodes if n.component_data[SWA].value is not None):
+            raise AssertionError("swa: LRU holds nodes that are not in the tree")
+        if (evictable, protected) != (self.evictable, self.protected):
+            raise AssertionError(
+                f"swa: sizes (evictable, protected) = {(self.evictable, self.protected)}, "
+                f"recomputed {(evictable, protected)}"
+            )

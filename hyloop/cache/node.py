@@ -1,0 +1,89 @@
+"""Tree nodes of the UHRC: a token segment plus one data slot per cache component."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+
+from hyloop.cache.key import TOKEN_BYTES
+
+FULL = 0
+SWA = 1
+RECURRENT = 2
+NUM_COMPONENTS = 3
+COMPONENT_NAMES = ("full", "swa", "recurrent")
+
+_node_ids = itertools.count(1)
+
+
+class ComponentData:
+    """One component's share of a node.
+
+    ``value`` is None for a tombstone (the component holds nothing here; the core skips it).
+    FULL/SWA values are int64 KV slot tensors aligned with the node's tokens; RECURRENT's is the
+    int snapshot slot holding the state after the node's last token. ``lru_prev``/``lru_next``
+    thread the component's intrusive LRU list; ``last_access`` is the LRU counter stamp.
+    """
+
+    __slots__ = ("node", "value", "lock_ref", "last_access", "lru_prev", "lru_next", "in_lru")
+
+    def __init__(self, node: TreeNode) -> None:
+        self.node = node
+        self.value: Any = None
+        self.lock_ref = 0
+        self.last_access = 0
+        self.lru_prev: ComponentData | None = None
+        self.lru_next: ComponentData | None = None
+        self.in_lru = False
+
+
+class TreeNode:
+    """A radix-tree node: ``key`` is the token segment from the parent to this node, packed as
+    int64 bytes (see ``hyloop.cache.key``); ``length`` is its number of tokens.
+
+    ``depth`` is the number of tokens from the root to the end of this node. ``child_key`` is
+    the key this node is filed under in ``parent.children``.
+    """
+
+    __slots__ = (
+        "id",
+        "key",
+        "length",
+        "parent",
+        "children",
+        "child_key",
+        "depth",
+        "component_data",
+        "alive",
+        "heap_stamp",
+    )
+
+    def __init__(self, key: bytes, parent: TreeNode | None, child_key: Any, depth: int) -> None:
+        self.id = next(_node_ids)
+        self.key = key
+        self.length = len(key) // TOKEN_BYTES
+        self.parent = parent
+        self.children: dict[Any, TreeNode] = {}
+        self.child_key = child_key
+        self.depth = depth
+        self.component_data = [ComponentData(self) for _ in range(NUM_COMPONENTS)]
+        self.alive = True
+        # Stamp of this node's newest entry in the FULL eviction heap, -1 when it has none.
+        self.heap_stamp = -1
+
+    @property
+    def full_value(self) -> torch.Tensor:
+        return self.component_data[FULL].value
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    @property
+    def start_depth(self) -> int:
+        return self.depth - self.length
+
+    def __repr__(self) -> str:
+        return f"TreeNode(id={self.id}, len={self.length}, depth={self.depth})"

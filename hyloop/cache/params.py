@@ -1,0 +1,146 @@
+"""Typed parameters and results of the UHRC operations.
+
+A lock is released only by handing back its receipt: ``inc_lock_ref`` returns an
+``IncLockRefResult`` and ``dec_lock_ref`` takes ``receipt.to_dec_params()``. The cache keeps the
+authoritative record of what each receipt locked, so a forged or replayed receipt cannot
+decrement someone else's lock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hyloop.cache.key import RadixKey
+from hyloop.cache.node import TreeNode
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+@dataclass(frozen=True, slots=True)
+class MatchPrefixParams:
+    """``full_only`` matches on the FULL backbone alone (no SWA window or snapshot needed):
+    a request re-matching its own freshly inserted prefix to read the tree's KV indices."""
+
+    key: RadixKey
+    full_only: bool = False
+
+
+@dataclass(slots=True)
+class MatchResult:
+    """The reusable prefix of a key.
+
+    ``prefix_len`` tokens are hit: every component can serve them. ``last_node`` is the node
+    that ends at ``prefix_len`` (lock this one); ``best_match_node`` is the deepest node where
+    every component hits, which without a host tier is the same node. ``full_prefix_len`` is how
+    far the FULL backbone alone matched (>= ``prefix_len``). ``recurrent_slot`` is the snapshot
+    to copy-on-write from when ``recurrent_hit``.
+    """
+
+    prefix_len: int
+    last_node: TreeNode
+    best_match_node: TreeNode
+    full_prefix_len: int
+    recurrent_hit: bool = False
+    recurrent_slot: int | None = None
+    node_values: list[torch.Tensor] = field(default_factory=list)
+    _indices: torch.Tensor | None = None
+
+    @property
+    def device_indices(self) -> torch.Tensor:
+        """KV slot indices of the hit prefix (int64, length ``prefix_len``); built on first use."""
+        if self._indices is None:
+            vals = self.node_values
+            if not vals:
+                self._indices = _EMPTY
+            elif len(vals) == 1:
+                self._indices = vals[0]
+            else:
+                self._indices = torch.cat(vals)
+        return self._indices
+
+
+@dataclass(frozen=True, slots=True)
+class InsertParams:
+    """Insert ``key`` with the KV slot indices ``value`` (one per token).
+
+    ``recurrent_slot``: a snapshot slot holding the recurrent state after the whole key; the tree
+    takes it only when the key length is a page multiple (see ``InsertResult``).
+    """
+
+    key: RadixKey
+    value: torch.Tensor
+    recurrent_slot: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class InsertResult:
+    """What the tree did with an insert.
+
+    The tree already held ``value[:prefix_len]`` and freed the caller's copies of those slots
+    (those that differ from the tree's own); it owns ``value[prefix_len:aligned_len]``; the
+    unaligned tail ``value[aligned_len:]`` stays with the caller. ``last_node`` ends at
+    ``aligned_len``: move the request's lock there. ``recurrent_taken``: the tree took the slot
+    (stored, or freed as a duplicate when ``recurrent_stored`` is False); otherwise it stays with
+    the caller.
+    """
+
+    prefix_len: int
+    aligned_len: int
+    last_node: TreeNode
+    num_freed: int = 0
+    recurrent_taken: bool = False
+    recurrent_stored: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class EvictParams:
+    """Evict at least ``num_tokens`` FULL tokens, ``swa_num_tokens`` SWA tokens and
+    ``recurrent_num`` snapshots (each as far as unlocked data allows)."""
+
+    num_tokens: int = 0
+    swa_num_tokens: int = 0
+    recurrent_num: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EvictResult:
+    num_tokens_evicted: int = 0
+    swa_num_tokens_evicted: int = 0
+    recurrent_num_evicted: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class DecLockRefParams:
+    receipt_id: int
+    node_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class IncLockRefResult:
+    """A lock receipt. ``delta``: FULL tokens moved from evictable to protected.
+
+    ``swa_start_depth`` is the token depth where the SWA window lock stops (None without SWA);
+    ``recurrent_locked`` says whether the node's snapshot was pinned.
+    """
+
+    receipt_id: int
+    node: TreeNode
+    delta: int
+    swa_start_depth: int | None = None
+    recurrent_locked: bool = False
+
+    @property
+    def node_id(self) -> int:
+        return self.node.id
+
+    def to_dec_params(self) -> DecLockRefParams:
+        return DecLockRefParams(receipt_id=self.receipt_id, node_id=self.node.id)
+
+
+@dataclass(frozen=True, slots=True)
+class DecLockRefResult:
+    """``delta``: FULL tokens moved back from protected to evictable."""
+
+    delta: int
