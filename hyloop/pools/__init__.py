@@ -2,7 +2,15 @@
 
 from hyloop.pools.kv_pool import KVPool
 from hyloop.pools.page_allocator import PageAllocator
+from hyloop.pools.recurrent_pool import RecurrentPool, SlotRole
 from hyloop.pools.req_to_token import ReqToTokenPool
 from hyloop.pools.slot_allocator import SlotAllocator
 
-__all__ = ["KVPool", "PageAllocator", "ReqToTokenPool", "SlotAllocator"]
+__all__ = [
+    "KVPool",
+    "PageAllocator",
+    "RecurrentPool",
+    "ReqToTokenPool",
+    "SlotAllocator",
+    "SlotRole",
+]
