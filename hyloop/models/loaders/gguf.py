@@ -1,0 +1,309 @@
+"""Load a GGUF checkpoint as an HF-style config, a float32 state dict and a tokenizer.
+
+GGUF differs from the HF layout in three ways this loader undoes: tensors are quantized (they are
+dequantized to float32 with `gguf.quants.dequantize`, one vectorised call per tensor), names follow
+llama.cpp (`blk.{i}.attn_q.weight` -> `model.layers.{i}.self_attn.q_proj.weight`), and for the
+llama architecture llama.cpp's converter permutes the rows of q_proj / k_proj so that rotary pairs
+sit side by side (its interleaved rope); HF's rotate-half rope needs the original order back.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from tokenizers import Tokenizer
+
+from hyloop.models.loaders.gguf_tokenizer import (
+    add_bos_token,
+    build_gguf_tokenizer,
+    eos_token_ids,
+    has_tokenizer,
+    special_token_ids,
+)
+
+
+@dataclass(frozen=True)
+class _ArchSpec:
+    hf_architecture: str
+    # llama.cpp permutes Q/K rows only for models it runs with interleaved (non-NeoX) rope.
+    permute_qk: bool
+    qkv_bias: bool
+    qk_norm: bool
+
+
+_ARCHS: dict[str, _ArchSpec] = {
+    "llama": _ArchSpec("LlamaForCausalLM", permute_qk=True, qkv_bias=False, qk_norm=False),
+    "qwen2": _ArchSpec("Qwen2ForCausalLM", permute_qk=False, qkv_bias=True, qk_norm=False),
+    "qwen3": _ArchSpec("Qwen3ForCausalLM", permute_qk=False, qkv_bias=False, qk_norm=True),
+}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+_ROPE_TYPES = ("none", "linear", "yarn")
+
+
+@dataclass
+class GGUFCheckpoint:
+    """Everything a GGUF file holds, in the shapes and names the HF loaders produce."""
+
+    config: dict[str, Any]
+    state_dict: dict[str, torch.Tensor]
+    tokenizer: Tokenizer | None  # None only when the file has no tokenizer metadata at all
+    add_bos_token: bool = False
+    chat_template: str | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    special_token_ids: dict[str, int] = field(default_factory=dict)
+
+
+def _open(path: str | os.PathLike[str]) -> GGUFReader:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF checkpoint {os.fspath(path)!r} does not exist")
+    try:
+        return GGUFReader(path)
+    except Exception as exc:  # the reader parses untrusted bytes; any failure means a bad file
+        raise ValueError(
+            f"GGUF checkpoint {os.fspath(path)!r} is not a readable GGUF file: {exc}"
+        ) from exc
+
+
+def read_gguf_metadata(reader: GGUFReader) -> dict[str, Any]:
+    """Every key-value field of the file as plain Python values."""
+    return {
+        key: fld.contents() for key, fld in reader.fields.items() if not key.startswith("GGUF.")
+    }
+
+
+def _meta_int(meta: dict[str, Any], key: str, default: int | None = None) -> int:
+    value = meta.get(key, default)
+    if value is None:
+        raise ValueError(f"GGUF metadata lacks {key!r}; expected an integer")
+    if isinstance(value, list):
+        # Some converters write per-layer lists; hyloop's dense models need one value.
+        if len(set(value)) != 1:
+            raise ValueError(
+                f"GGUF metadata {key!r} is {value!r}; expected one value for all layers"
+            )
+        value = value[0]
+    return int(value)
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _rope_scaling(meta: dict[str, Any], arch: str) -> dict[str, Any] | None:
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    if kind is None or kind == "none":
+        return None
+    if kind not in _ROPE_TYPES:
+        raise ValueError(
+            f"GGUF metadata {arch}.rope.scaling.type is {kind!r}; expected one of {_ROPE_TYPES}"
+        )
+    scaling: dict[str, Any] = {
+        "rope_type": kind,
+        "factor": float(meta.get(f"{arch}.rope.scaling.factor", 1.0)),
+    }
+    optional = {
+        "rope.scaling.original_context_length": ("original_max_position_embeddings", int),
+        "rope.scaling.yarn_beta_fast": ("beta_fast", float),
+        "rope.scaling.yarn_beta_slow": ("beta_slow", float),
+        "rope.scaling.attn_factor": ("attention_factor", float),
+    }
+    for suffix, (name, cast) in optional.items():
+        if f"{arch}.{suffix}" in meta:
+            scaling[name] = cast(meta[f"{arch}.{suffix}"])
+    return scaling
+
+
+def _build_config(meta: dict[str, Any], arch: str, vocab_size: int, tied: bool) -> dict[str, Any]:
+    hidden = _meta_int(meta, f"{arch}.embedding_length")
+    heads = _meta_int(meta, f"{arch}.attention.head_count")
+    kv_heads = _meta_int(meta, f"{arch}.attention.head_count_kv", heads)
+    head_dim = _meta_int(meta, f"{arch}.attention.key_length", hidden // heads)
+    rope_dim = meta.get(f"{arch}.rope.dimension_count")
+    if rope_dim is not None and int(rope_dim) != head_dim:
+        raise ValueError(
+            f"GGUF metadata {arch}.rope.dimension_count is {rope_dim}; expected head_dim "
+            f"{head_dim} (partial rotary is not supported)"
+        )
+    eps_key = f"{arch}.attention.layer_norm_rms_epsilon"
+    if eps_key not in meta:
+        raise ValueError(f"GGUF metadata lacks {eps_key!r}; expected a float")
+    config: dict[str, Any] = {
+        "architectures": [_ARCHS[arch].hf_architecture],
+        "model_type": arch,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": _meta_int(meta, f"{arch}.feed_forward_length"),
+        "num_hidden_layers": _meta_int(meta, f"{arch}.block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": float(meta[eps_key]),
+        # llama.cpp's default when the converter wrote no base.
+        "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": _meta_int(meta, f"{arch}.context_length"),
+        "tie_word_embeddings": tied,
+        "bos_token_id": _optional_int(meta.get("tokenizer.ggml.bos_token_id")),
+        "eos_token_id": _optional_int(meta.get("tokenizer.ggml.eos_token_id")),
+    }
+    if "tokenizer.ggml.padding_token_id" in meta:
+        config["pad_token_id"] = int(meta["tokenizer.ggml.padding_token_id"])
+    if _ARCHS[arch].qkv_bias:
+        config["attention_bias"] = True
+    scaling = _rope_scaling(meta, arch)
+    if scaling is not None:
+        config["rope_scaling"] = scaling
+    return config
+
+
+def _expected_shapes(config: dict[str, Any], spec: _ArchSpec) -> dict[str, tuple[int, ...]]:
+    """HF name -> HF shape ([out, in] for linears) of every tensor the architecture needs."""
+    h, inter = config["hidden_size"], config["intermediate_size"]
+    q_dim = config["num_attention_heads"] * config["head_dim"]
+    kv_dim = config["num_key_value_heads"] * config["head_dim"]
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config["vocab_size"], h),
+        "model.norm.weight": (h,),
+    }
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        layer = {
+            "input_layernorm.weight": (h,),
+            "post_attention_layernorm.weight": (h,),
+            "self_attn.q_proj.weight": (q_dim, h),
+            "self_attn.k_proj.weight": (kv_dim, h),
+            "self_attn.v_proj.weight": (kv_dim, h),
+            "self_attn.o_proj.weight": (h, q_dim),
+            "mlp.gate_proj.weight": (inter, h),
+            "mlp.up_proj.weight": (inter, h),
+            "mlp.down_proj.weight": (h, inter),
+        }
+        if spec.qkv_bias:
+            layer |= {
+                "self_attn.q_proj.bias": (q_dim,),
+                "self_attn.k_proj.bias": (kv_dim,),
+                "self_attn.v_proj.bias": (kv_dim,),
+            }
+        if spec.qk_norm:
+            layer |= {"self_attn.q_norm.weight": (config["head_dim"],)}
+            layer |= {"self_attn.k_norm.weight": (config["head_dim"],)}
+        shapes |= {p + name: shape for name, shape in layer.items()}
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (config["vocab_size"], h)
+    return shapes
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def _unpermute_rope_rows(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's `permute`: rows (head, pair, 2) go back to (head, 2, half) order."""
+    half = weight.shape[0] // n_head // 2
+    return weight.reshape(n_head, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
+    """Read a GGUF file into an HF-style config, a float32 HF-named state dict and a tokenizer."""
+    reader = _open(path)
+    meta = read_gguf_metadata(reader)
+    arch = meta.get("general.architecture")
+    if arch not in _ARCHS:
+        raise ValueError(
+            f"GGUF checkpoint {os.fspath(path)!r} has general.architecture {arch!r}; "
+            f"hyloop loads {sorted(_ARCHS)}"
+        )
+    spec = _ARCHS[arch]
+
+    by_hf_name: dict[str, Any] = {}
+    unexpected: list[str] = []
+    for tensor in reader.tensors:
+        hf_name = _hf_name(tensor.name)
+        if hf_name is None:
+            unexpected.append(tensor.name)
+        else:
+            by_hf_name[hf_name] = tensor
+    embed = by_hf_name.get("model.embed_tokens.weight")
+    if embed is None:
+        raise ValueError(f"GGUF checkpoint {os.fspath(path)!r} lacks tensor 'token_embd.weight'")
+    vocab_size = int(embed.shape[-1])  # GGUF lists dims fastest-first: [hidden, vocab]
+    if f"{arch}.vocab_size" in meta and int(meta[f"{arch}.vocab_size"]) != vocab_size:
+        raise ValueError(
+            f"GGUF metadata {arch}.vocab_size is {meta[f'{arch}.vocab_size']}; expected "
+            f"{vocab_size}, the rows of token_embd.weight"
+        )
+    config = _build_config(meta, arch, vocab_size, tied="lm_head.weight" not in by_hf_name)
+
+    expected = _expected_shapes(config, spec)
+    unexpected += [by_hf_name[n].name for n in by_hf_name if n not in expected]
+    missing = [name for name in expected if name not in by_hf_name]
+    if unexpected or missing:
+        raise ValueError(
+            f"GGUF checkpoint {os.fspath(path)!r} does not match architecture {arch!r}: "
+            f"unexpected tensors {sorted(unexpected)}, missing tensors {missing}"
+        )
+    misshaped = [
+        f"{tensor.name} {tuple(int(d) for d in reversed(tensor.shape))} (expected {expected[n]})"
+        for n, tensor in by_hf_name.items()
+        if tuple(int(d) for d in reversed(tensor.shape)) != expected[n]
+    ]
+    if misshaped:
+        raise ValueError(f"GGUF checkpoint {os.fspath(path)!r} has mis-shaped tensors: {misshaped}")
+
+    state_dict: dict[str, torch.Tensor] = {}
+    for name in expected:
+        tensor = by_hf_name[name]
+        array = dequantize(tensor.data, tensor.tensor_type)
+        if not array.flags.writeable:  # unquantized tensors come back as read-only file maps
+            array = array.copy()
+        weight = torch.from_numpy(array.astype(np.float32, copy=False)).reshape(expected[name])
+        if spec.permute_qk and name.endswith("self_attn.q_proj.weight"):
+            weight = _unpermute_rope_rows(weight, config["num_attention_heads"])
+        elif spec.permute_qk and name.endswith("self_attn.k_proj.weight"):
+            weight = _unpermute_rope_rows(weight, config["num_key_value_heads"])
+        state_dict[name] = weight.contiguous()
+
+    tokenizer = build_gguf_tokenizer(meta) if has_tokenizer(meta) else None
+    return GGUFCheckpoint(
+        config=config,
+        state_dict=state_dict,
+        tokenizer=tokenizer,
+        add_bos_token=add_bos_token(meta),
+        chat_template=meta.get("tokenizer.chat_template"),
+        eos_token_ids=eos_token_ids(meta),
+        special_token_ids=special_token_ids(meta),
+    )

@@ -1,0 +1,205 @@
+"""A `tokenizers.Tokenizer` rebuilt from the metadata of a GGUF file.
+
+A GGUF carries no `tokenizer.json`: it stores the vocabulary, the merges, the token types and the
+special token ids under llama.cpp's key names (`tokenizer.ggml.*`). For byte-level BPE
+(`tokenizer.ggml.model == "gpt2"`) that is enough to rebuild the tokenizer exactly; the one fact a
+GGUF spells only by name is how text is split before BPE (`tokenizer.ggml.pre`), so the split rules
+llama.cpp uses for each name are written out here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import lru_cache
+from typing import Any
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+_PREFIX = "tokenizer.ggml."
+
+# llama.cpp token types: 3 is CONTROL (<|im_start|>), 4 is USER_DEFINED (<think>).
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+
+# `tokenizer.ggml.<role>_token_id` keys whose role llama.cpp spells differently from HF.
+_ROLE_RENAMES = {"unknown": "unk", "padding": "pad", "seperator": "sep"}
+
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _gpt2_split() -> pre_tokenizers.PreTokenizer:
+    # ByteLevel's built-in regex is GPT-2's (' ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)...).
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _digits_then_gpt2_split() -> pre_tokenizers.PreTokenizer:
+    # llama.cpp splits every digit alone first ("\p{N}"), then applies GPT-2's regex.
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _gpt2_split()])
+
+
+def _regex_split(pattern: str) -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+# `tokenizer.ggml.pre` -> how llama.cpp splits text before BPE (llama-vocab.cpp, per pre type).
+_PRE_TOKENIZERS = {
+    "default": _gpt2_split,
+    "gpt-2": _gpt2_split,
+    "smollm": _digits_then_gpt2_split,
+    "starcoder": _digits_then_gpt2_split,
+    "refact": _digits_then_gpt2_split,
+    "llama-bpe": lambda: _regex_split(_LLAMA3_SPLIT),
+    "llama3": lambda: _regex_split(_LLAMA3_SPLIT),
+    "smaug-bpe": lambda: _regex_split(_LLAMA3_SPLIT),
+    "qwen2": lambda: _regex_split(_QWEN2_SPLIT),
+    "deepseek-r1-qwen": lambda: _regex_split(_QWEN2_SPLIT),
+}
+
+
+@lru_cache(maxsize=1)
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table (bytes_to_unicode)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    table = {b: chr(b) for b in printable}
+    shift = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + shift)
+            shift += 1
+    return table
+
+
+def _spell_bytes(token: str, alphabet: set[str]) -> str:
+    """A vocabulary entry in the byte alphabet; entries already spelled that way pass unchanged."""
+    if set(token) <= alphabet:
+        return token
+    table = _byte_alphabet()
+    return "".join(table[b] for b in token.encode("utf-8"))
+
+
+def _require(meta: Mapping[str, Any], key: str) -> Any:
+    if key not in meta:
+        raise ValueError(f"GGUF tokenizer metadata lacks {key!r}; expected it for byte-level BPE")
+    return meta[key]
+
+
+def _build_byte_level_bpe(meta: Mapping[str, Any]) -> Tokenizer:
+    tokens: list[str] = list(_require(meta, _PREFIX + "tokens"))
+    merge_lines: list[str] = list(_require(meta, _PREFIX + "merges"))
+    token_types: list[int] = list(meta.get(_PREFIX + "token_type") or [])
+    pre = meta.get(_PREFIX + "pre", "default")
+    if pre not in _PRE_TOKENIZERS:
+        raise ValueError(
+            f"GGUF tokenizer.ggml.pre is {pre!r}; hyloop knows the split rules of "
+            f"{sorted(_PRE_TOKENIZERS)}"
+        )
+
+    alphabet = set(_byte_alphabet().values())
+    vocab = {_spell_bytes(token, alphabet): index for index, token in enumerate(tokens)}
+    merges: list[tuple[str, str]] = []
+    for line_no, line in enumerate(merge_lines):
+        parts = line.split(" ")
+        if len(parts) != 2:
+            raise ValueError(
+                f"GGUF tokenizer.ggml.merges[{line_no}] is {line!r}; expected two tokens "
+                "separated by one space"
+            )
+        merges.append((parts[0], parts[1]))
+
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    tokenizer.pre_tokenizer = _PRE_TOKENIZERS[pre]()
+    tokenizer.decoder = decoders.ByteLevel()
+
+    # Control tokens must match whole in raw text or "<|im_start|>" is cut into byte pieces. In a
+    # byte-level vocabulary a control token outside the byte alphabet is a converter mislabel;
+    # adding it would grow the vocabulary past the embedding, so it is skipped (as HF does).
+    control = [
+        AddedToken(token, normalized=False, special=True)
+        for token, kind in zip(tokens, token_types, strict=False)
+        if kind == _TOKEN_TYPE_CONTROL and set(token) <= alphabet
+    ]
+    user_defined = [
+        AddedToken(token, normalized=False, special=False)
+        for token, kind in zip(tokens, token_types, strict=False)
+        if kind == _TOKEN_TYPE_USER_DEFINED and token in vocab
+    ]
+    if control:
+        tokenizer.add_special_tokens(control)
+    if user_defined:
+        tokenizer.add_tokens(user_defined)
+    _set_bos_eos_template(tokenizer, meta, tokens)
+    return tokenizer
+
+
+def _set_bos_eos_template(tokenizer: Tokenizer, meta: Mapping[str, Any], tokens: list[str]) -> None:
+    """Add BOS/EOS on encode exactly when the file asks for it (add_bos_token / add_eos_token)."""
+    wrap: list[tuple[str, int]] = []
+    pieces_before: list[str] = []
+    pieces_after: list[str] = []
+    if add_bos_token(meta):
+        bos = int(_require(meta, _PREFIX + "bos_token_id"))
+        wrap.append((tokens[bos], bos))
+        pieces_before.append(tokens[bos])
+    if bool(meta.get(_PREFIX + "add_eos_token", False)):
+        eos = int(_require(meta, _PREFIX + "eos_token_id"))
+        wrap.append((tokens[eos], eos))
+        pieces_after.append(tokens[eos])
+    if not wrap:
+        return
+    single = [*pieces_before, "$A", *pieces_after]
+    pair = [*single, *pieces_before, "$B:1", *pieces_after]
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=single, pair=pair, special_tokens=list(dict.fromkeys(wrap))
+    )
+
+
+def build_gguf_tokenizer(meta: Mapping[str, Any]) -> Tokenizer:
+    """The tokenizer a GGUF's metadata describes; only byte-level BPE ("gpt2") is supported."""
+    model = meta.get(_PREFIX + "model")
+    if model != "gpt2":
+        raise ValueError(
+            f"GGUF tokenizer.ggml.model is {model!r}; hyloop builds tokenizers for ['gpt2'] "
+            "(byte-level BPE)"
+        )
+    return _build_byte_level_bpe(meta)
+
+
+def has_tokenizer(meta: Mapping[str, Any]) -> bool:
+    return _PREFIX + "model" in meta
+
+
+def add_bos_token(meta: Mapping[str, Any]) -> bool:
+    """tokenizer.ggml.add_bos_token; absent, llama.cpp and HF add BOS only for sentencepiece."""
+    flag = meta.get(_PREFIX + "add_bos_token")
+    if flag is None:
+        return meta.get(_PREFIX + "model") == "llama"
+    return bool(flag)
+
+
+def special_token_ids(meta: Mapping[str, Any]) -> dict[str, int]:
+    """Every `tokenizer.ggml.<role>_token_id` in the file, by HF role name (bos, eos, pad...)."""
+    roles: dict[str, int] = {}
+    for key, value in meta.items():
+        if key.startswith(_PREFIX) and key.endswith("_token_id"):
+            role = key[len(_PREFIX) : -len("_token_id")]
+            roles[_ROLE_RENAMES.get(role, role)] = int(value)
+    return roles
+
+
+def eos_token_ids(meta: Mapping[str, Any]) -> list[int]:
+    """Ids that end generation: eos, then end-of-turn and end-of-message if the file names them."""
+    ids = [meta.get(_PREFIX + key) for key in ("eos_token_id", "eot_token_id", "eom_token_id")]
+    return list(dict.fromkeys(int(i) for i in ids if i is not None))
