@@ -66,6 +66,7 @@ def _write_gguf(
     tokenizer_model: str = "gpt2",
     add_bos: bool | None = False,
     pre: str = "smollm",
+    extra: dict[str, str | float | int] | None = None,
 ) -> Path:
     tokens, merges, types = _tiny_vocab()
     writer = gguf.GGUFWriter(path, arch)
@@ -89,6 +90,13 @@ def _write_gguf(
     writer.add_uint32("tokenizer.ggml.eot_token_id", 0)
     if add_bos is not None:
         writer.add_bool("tokenizer.ggml.add_bos_token", add_bos)
+    for key, value in (extra or {}).items():
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        else:
+            writer.add_float32(key, value)
     for name, array in tensors.items():
         writer.add_tensor(name, array)
     writer.write_header_to_file()
@@ -225,6 +233,35 @@ def test_tiny_special_token_facts(tiny_llama: Any, tmp_path: Path) -> None:
     assert ckpt.chat_template is None
     assert ckpt.tokenizer is not None
     assert ckpt.tokenizer.encode("<|im_start|>").ids == [1]
+
+
+def test_tiny_rope_scaling_is_read(tiny_llama: Any, tmp_path: Path) -> None:
+    yarn = {
+        "llama.rope.scaling.type": "yarn",
+        "llama.rope.scaling.factor": 4.0,
+        "llama.rope.scaling.original_context_length": 32,
+        "llama.rope.scaling.yarn_beta_fast": 32.0,
+    }
+    ckpt = load_gguf(_write_gguf(tmp_path / "yarn.gguf", "llama", *tiny_llama, extra=yarn))
+    assert ckpt.config["rope_scaling"] == {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 32,
+        "beta_fast": 32.0,
+    }
+    assert ckpt.config["rope_theta"] == 50000.0
+    parsed = transformers.LlamaConfig(**ckpt.config).rope_parameters
+    assert (parsed["rope_type"], parsed["factor"], parsed["rope_theta"]) == ("yarn", 4.0, 50000.0)
+    none = {"llama.rope.scaling.type": "none"}
+    ckpt = load_gguf(_write_gguf(tmp_path / "none.gguf", "llama", *tiny_llama, extra=none))
+    assert "rope_scaling" not in ckpt.config
+
+
+def test_unknown_rope_scaling_is_named(tiny_llama: Any, tmp_path: Path) -> None:
+    odd = {"llama.rope.scaling.type": "longrope"}
+    path = _write_gguf(tmp_path / "odd.gguf", "llama", *tiny_llama, extra=odd)
+    with pytest.raises(ValueError, match=r"rope.scaling.type is 'longrope'"):
+        load_gguf(path)
 
 
 # ---------------------------------------------------------------- errors
