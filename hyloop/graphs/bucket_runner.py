@@ -1,0 +1,276 @@
+"""Run a step function through captured artifacts, one per batch / kv_len bucket and mode.
+
+``BucketRunner(step_fn, backend=..., buckets=..., kv_len_buckets=..., ...)`` owns the static
+inputs of its artifacts. ``run(inputs)`` rounds the batch and ``kv_len`` up to their buckets,
+copies the rows into the static buffers (the rest become inert padding rows), replays the
+artifact and returns its outputs sliced to the real rows and cloned, so the next replay cannot
+overwrite them. A batch above the largest bucket is split into bucket-sized pieces (or run eagerly
+with ``oversize="eager"``); a ``kv_len`` above the largest ``kv_len`` bucket runs eagerly. Every
+such fallback is counted in ``stats()``.
+
+``step_fn(inputs: StepInputs)`` returns a tensor or a tuple / list / dict / dataclass of batch-major
+tensors (``None`` and plain Python values pass through). It must compute each row from that row's
+inputs alone, which is what makes padding and splitting invisible.
+
+Backends: ``eager`` runs ``step_fn`` on the inputs as given (the oracle: no padding, exact
+``kv_len``), ``compile`` and ``cuda_graph`` as in ``hyloop.graphs.backends``. A runner is driven by
+one thread at a time; separate runners (different models, backends) coexist in one process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal
+
+import torch
+
+from hyloop.graphs.backends import CapturedStep, CompiledStep, CudaGraphStep, StepFn
+from hyloop.graphs.buckets import ArtifactKey, normalize_buckets, pick_bucket
+from hyloop.graphs.static_inputs import StaticInputs, StepInputs
+
+__all__ = ["BACKENDS", "BucketRunner"]
+
+log = logging.getLogger(__name__)
+
+Backend = Literal["eager", "compile", "cuda_graph"]
+BACKENDS: tuple[str, ...] = ("eager", "compile", "cuda_graph")
+
+
+class BucketRunner:
+    """Captured replay of ``step_fn`` with per-bucket artifacts and counted fallbacks."""
+
+    def __init__(
+        self,
+        step_fn: StepFn,
+        *,
+        backend: Backend = "compile",
+        buckets: Sequence[int],
+        kv_len_buckets: Sequence[int],
+        device: torch.device | str,
+        padding_row: int,
+        channels: int | None = None,
+        oversize: Literal["split", "eager"] = "split",
+        compile_in_graph: bool = False,
+        compile_mode: str | None = None,
+        strict_stance: bool = False,
+        warmup_runs: int = 2,
+        name: str = "step",
+    ) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"BucketRunner backend: {backend!r}, expected one of {BACKENDS}")
+        if oversize not in ("split", "eager"):
+            raise ValueError(f"BucketRunner oversize: {oversize!r}, expected 'split' or 'eager'")
+        self.device = torch.device(device)
+        if backend == "cuda_graph" and self.device.type != "cuda":
+            raise ValueError(f"BucketRunner backend 'cuda_graph': device {device}, expected cuda")
+        self.step_fn = step_fn
+        self.backend = backend
+        self.buckets = normalize_buckets("BucketRunner buckets", buckets)
+        self.kv_len_buckets = normalize_buckets("BucketRunner kv_len_buckets", kv_len_buckets)
+        self.max_bs = self.buckets[-1]
+        self.oversize = oversize
+        self.compile_in_graph = compile_in_graph
+        self.compile_mode = compile_mode
+        self.strict_stance = strict_stance
+        self.warmup_runs = warmup_runs
+        self.name = name
+        self.static = StaticInputs.init(
+            self.max_bs,
+            padding_row=padding_row,
+            kv_len=self.kv_len_buckets[-1],
+            device=self.device,
+            channels=channels,
+        )
+        self._artifacts: dict[ArtifactKey, CapturedStep] = {}
+        self._compiled: list[CompiledStep] = []
+        self._graph_pool: Any = None
+        self._stream: torch.cuda.Stream | None = None
+        self._counts = {"graph_replays": 0, "eager_fallbacks": 0, "split_batches": 0}
+        self._eager_steps = 0
+        self._capture_s = 0.0
+
+    # -- capture --------------------------------------------------------------------------------
+    def capture(
+        self,
+        kv_lens: Iterable[int] | None = None,
+        modes: Iterable[tuple[bool, int]] = ((False, 0),),
+    ) -> list[ArtifactKey]:
+        """Capture every batch bucket, largest first, for each ``kv_len`` bucket and mode.
+
+        ``kv_lens`` defaults to every ``kv_len`` bucket. Buckets used later without being
+        captured here are captured lazily on first use. Returns the keys now captured.
+        """
+        if self.backend == "eager":
+            return []
+        kv_keys = self.kv_len_buckets if kv_lens is None else [self._kv_bucket(k) for k in kv_lens]
+        keys = [
+            ArtifactKey(bs, kv, filtered, nlp)
+            for filtered, nlp in modes
+            for kv in sorted({k for k in kv_keys if k is not None}, reverse=True)
+            for bs in reversed(self.buckets)
+        ]
+        for key in keys:
+            self._artifact(key)
+        return keys
+
+    def _kv_bucket(self, kv_len: int) -> int | None:
+        return pick_bucket(self.kv_len_buckets, kv_len)
+
+    def _artifact(self, key: ArtifactKey) -> CapturedStep:
+        artifact = self._artifacts.get(key)
+        if artifact is not None:
+            return artifact
+        start = time.perf_counter()
+        static = self.static.view(
+            key.batch, kv_len=key.kv_len, filtered=key.filtered, num_logprobs=key.num_logprobs
+        )
+        # NOTE: warm-up and capture run on all-padding rows, which write only the padding sinks.
+        static.fill_padding()
+        with torch.inference_mode():
+            artifact = self._build(key, static)
+        self._artifacts[key] = artifact
+        elapsed = time.perf_counter() - start
+        self._capture_s += elapsed
+        log.info("%s: captured %s with %s in %.2fs", self.name, key.label(), self.backend, elapsed)
+        return artifact
+
+    def _build(self, key: ArtifactKey, static: StaticInputs) -> CapturedStep:
+        compiled = None
+        if self.backend == "compile" or self.compile_in_graph:
+            compiled = CompiledStep(
+                self.step_fn,
+                static,
+                key,
+                tag=self.name,
+                mode=self.compile_mode,
+                strict_stance=self.strict_stance,
+            )
+            self._compiled.append(compiled)
+        if self.backend == "compile":
+            assert compiled is not None
+            compiled.warm_up(self.warmup_runs)
+            return compiled
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+            self._stream = torch.cuda.Stream(self.device)
+        assert self._stream is not None
+        fn: Callable[[StaticInputs], Any] = self.step_fn if compiled is None else compiled
+        graph = CudaGraphStep(
+            fn,
+            static,
+            key,
+            pool=self._graph_pool,
+            stream=self._stream,
+            warmup_runs=self.warmup_runs,
+        )
+        graph.capture()
+        return graph
+
+    # -- run ------------------------------------------------------------------------------------
+    def run(self, inputs: StepInputs) -> Any:
+        """One step: replay the bucket's artifact (or fall back, counted); outputs are owned."""
+        inputs.validate()
+        with torch.inference_mode():
+            if self.backend == "eager":
+                self._eager_steps += 1
+                return self.step_fn(inputs)
+            kv_bucket = self._kv_bucket(inputs.kv_len)
+            n = inputs.batch_size
+            if kv_bucket is None or (n > self.max_bs and self.oversize == "eager"):
+                self._counts["eager_fallbacks"] += 1
+                why = "kv_len" if kv_bucket is None else "batch"
+                log.debug(
+                    "%s: eager fallback (%s) for batch %d, kv_len %d",
+                    self.name,
+                    why,
+                    n,
+                    inputs.kv_len,
+                )
+                return self.step_fn(inputs)
+            if n <= self.max_bs:
+                return self._replay(inputs, kv_bucket)
+            self._counts["split_batches"] += 1
+            pieces = [
+                self._replay(inputs.rows(i, min(n, i + self.max_bs)), kv_bucket)
+                for i in range(0, n, self.max_bs)
+            ]
+            return _concat(pieces)
+
+    def _replay(self, inputs: StepInputs, kv_bucket: int) -> Any:
+        n = inputs.batch_size
+        bucket = pick_bucket(self.buckets, n)
+        assert bucket is not None
+        artifact = self._artifact(ArtifactKey(bucket, kv_bucket, *inputs.mode))
+        with artifact.replay_guard():
+            artifact.static.copy_from(inputs)
+            raw = artifact.replay()
+            out = _map_tensors(raw, lambda path, t: _owned_rows(self.name, path, t, bucket, n))
+        self._counts["graph_replays"] += 1
+        return out
+
+    # -- report ---------------------------------------------------------------------------------
+    @property
+    def recompiles(self) -> int:
+        return sum(c.recompiles for c in self._compiled)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for the run summary; ``captured`` lists (batch, kv_len, filtered, logprobs)."""
+        return {
+            "backend": self.backend,
+            **self._counts,
+            "eager_steps": self._eager_steps,
+            "recompiles": self.recompiles,
+            "captured": [dataclasses.astuple(k) for k in sorted(self._artifacts)],
+            "capture_s": round(self._capture_s, 3),
+        }
+
+
+def _owned_rows(tag: str, path: str, t: torch.Tensor, bucket: int, n: int) -> torch.Tensor:
+    """The real rows of a batch-major output, in fresh memory the next replay cannot touch."""
+    if t.dim() == 0 or t.shape[0] != bucket:
+        raise ValueError(
+            f"{tag}: step output {path} has shape {tuple(t.shape)}, expected batch-major "
+            f"[{bucket}, ...] for the batch bucket {bucket}"
+        )
+    return t[:n].clone()
+
+
+def _map_tensors(out: Any, fn: Callable[[str, torch.Tensor], torch.Tensor], path: str = "") -> Any:
+    """Apply ``fn(path, tensor)`` to every tensor of a tuple/list/dict/dataclass tree."""
+    if isinstance(out, torch.Tensor):
+        return fn(path or "<output>", out)
+    if isinstance(out, tuple) and hasattr(out, "_fields"):
+        items = zip(out._fields, out, strict=True)
+        return type(out)(*(_map_tensors(v, fn, f"{path}.{f}") for f, v in items))
+    if isinstance(out, (tuple, list)):
+        return type(out)(_map_tensors(v, fn, f"{path}[{i}]") for i, v in enumerate(out))
+    if isinstance(out, dict):
+        return {k: _map_tensors(v, fn, f"{path}[{k!r}]") for k, v in out.items()}
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        fields = [f.name for f in dataclasses.fields(out) if f.init]
+        return dataclasses.replace(
+            out, **{f: _map_tensors(getattr(out, f), fn, f"{path}.{f}") for f in fields}
+        )
+    return out
+
+
+def _concat(parts: list[Any]) -> Any:
+    """Join the outputs of a split batch along the batch dimension."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts, dim=0)
+    if isinstance(first, tuple) and hasattr(first, "_fields"):
+        return type(first)(*(_concat(list(vs)) for vs in zip(*parts, strict=True)))
+    if isinstance(first, (tuple, list)):
+        return type(first)(_concat(list(vs)) for vs in zip(*parts, strict=True))
+    if isinstance(first, dict):
+        return {k: _concat([p[k] for p in parts]) for k in first}
+    if dataclasses.is_dataclass(first) and not isinstance(first, type):
+        fields = [f.name for f in dataclasses.fields(first) if f.init]
+        return dataclasses.replace(
+            first, **{f: _concat([getattr(p, f) for p in parts]) for f in fields}
+        )
+    return first
