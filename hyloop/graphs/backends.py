@@ -109,6 +109,11 @@ class CompiledStep:
         out = None
         for _ in range(max(1, runs)):
             out = self._compiled(self.static)
+        self.check_warm(runs)
+        return out
+
+    def check_warm(self, runs: int) -> None:
+        """After ``runs`` warm-up calls on identical inputs, exactly one variant must exist."""
         self._entries = self.cache_entries
         if self._entries != 1:
             raise RecompileError(
@@ -116,7 +121,6 @@ class CompiledStep:
                 self.key,
                 f"{self._entries} compiled variants after {runs} warm-up runs on identical inputs",
             )
-        return out
 
     def replay(self) -> Any:
         if not self.strict_stance:

@@ -90,6 +90,7 @@ class BucketRunner:
         self._stream: torch.cuda.Stream | None = None
         self._counts = {"graph_replays": 0, "eager_fallbacks": 0, "split_batches": 0}
         self._eager_steps = 0
+        self._warned: set[str] = set()
         self._capture_s = 0.0
 
     # -- capture --------------------------------------------------------------------------------
@@ -167,6 +168,8 @@ class BucketRunner:
             warmup_runs=self.warmup_runs,
         )
         graph.capture()
+        if compiled is not None:
+            compiled.check_warm(self.warmup_runs + 1)
         return graph
 
     # -- run ------------------------------------------------------------------------------------
@@ -181,23 +184,27 @@ class BucketRunner:
             n = inputs.batch_size
             if kv_bucket is None or (n > self.max_bs and self.oversize == "eager"):
                 self._counts["eager_fallbacks"] += 1
-                why = "kv_len" if kv_bucket is None else "batch"
-                log.debug(
-                    "%s: eager fallback (%s) for batch %d, kv_len %d",
-                    self.name,
-                    why,
-                    n,
-                    inputs.kv_len,
-                )
+                if kv_bucket is None:
+                    largest = self.kv_len_buckets[-1]
+                    self._warn_once("kv_len", f"kv_len {inputs.kv_len} > {largest}: runs eager")
+                else:
+                    self._warn_once("batch", f"batch {n} > bucket {self.max_bs}: runs eager")
                 return self.step_fn(inputs)
             if n <= self.max_bs:
                 return self._replay(inputs, kv_bucket)
             self._counts["split_batches"] += 1
+            self._warn_once("split", f"batch {n} > bucket {self.max_bs}: split into pieces")
             pieces = [
                 self._replay(inputs.rows(i, min(n, i + self.max_bs)), kv_bucket)
                 for i in range(0, n, self.max_bs)
             ]
             return _concat(pieces)
+
+    def _warn_once(self, reason: str, detail: str) -> None:
+        """Fallbacks cost speed silently; say so once per reason, then only count them."""
+        if reason not in self._warned:
+            self._warned.add(reason)
+            log.warning("%s: %s (counted in stats(); warned once)", self.name, detail)
 
     def _replay(self, inputs: StepInputs, kv_bucket: int) -> Any:
         n = inputs.batch_size
