@@ -1,0 +1,152 @@
+"""More requests than the pool holds: they queue, all complete, nothing leaks.
+
+Forty requests of varied prompt and output lengths (some sharing prefixes, so the cache has
+something to reuse and evict) run through a pool that holds only a few of them at once. After
+every ``step()`` the pool/tree ledger is checked; at the end every KV page is free or owned by the
+cache tree, and every request's tokens equal those of the same request run with a large pool.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hyloop import LLM, SamplingParams
+
+NUM_REQUESTS = 40
+MAX_RUNNING = 4
+PAGE_SIZE = 4
+# Page 0 is the padding sink; 24 usable pages (96 tokens) hold one to four requests at a time.
+SMALL_POOL = 25
+COMMON = [f"kv_pool.page_size={PAGE_SIZE}", "model.max_context=64", "scheduler.prefill_chunk=8"]
+
+
+def workload() -> list[tuple[list[int], SamplingParams]]:
+    g = torch.Generator().manual_seed(7)
+    shared = torch.randint(3, 256, (12,), generator=g).tolist()
+    reqs = []
+    for i in range(NUM_REQUESTS):
+        n = int(torch.randint(1, 30, (1,), generator=g))
+        tail = torch.randint(3, 256, (n,), generator=g).tolist()
+        prompt = shared + tail if i % 3 == 0 else tail  # a third share a 12-token prefix
+        max_tokens = int(torch.randint(1, 20, (1,), generator=g))
+        if i % 2:
+            sp = SamplingParams(temperature=0.9, seed=i, max_tokens=max_tokens, ignore_eos=True)
+        else:
+            sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        reqs.append((prompt, sp))
+    return reqs
+
+
+ADMIT_BUG = pytest.mark.xfail(
+    strict=True,
+    reason="admission evicts to make room before locking its prefix hit, and can evict the hit",
+)
+
+
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(True, marks=ADMIT_BUG, id="cache"), pytest.param(False, id="no-cache")],
+)
+def cache_enable(request: pytest.FixtureRequest) -> bool:
+    return bool(request.param)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_ckpts: dict[str, Path], cache_enable: bool) -> list[list[int]]:
+    overrides = [*COMMON, "kv_pool.num_pages=2048", f"cache.enable={str(cache_enable).lower()}"]
+    reqs = workload()
+    with LLM(model=tiny_ckpts["llama"], overrides=overrides) as llm:
+        outs = llm.generate([p for p, _ in reqs], [s for _, s in reqs], use_tqdm=False)
+    return [o.token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def queued_run(tiny_ckpts: dict[str, Path], cache_enable: bool) -> dict[str, Any]:
+    """Run the workload through a small pool, stepping by hand and checking after each step."""
+    overrides = [
+        *COMMON,
+        f"kv_pool.num_pages={SMALL_POOL}",
+        f"scheduler.max_running_requests={MAX_RUNNING}",
+        f"cache.enable={str(cache_enable).lower()}",
+    ]
+    llm = LLM(model=tiny_ckpts["llama"], overrides=overrides)
+    try:
+        return _run(llm)
+    except Exception as e:  # reported by every test of this configuration, not as a setup error
+        return {"error": e}
+    finally:
+        llm.close()
+
+
+def _run(llm: LLM) -> dict[str, Any]:
+    eng = llm.engine
+    for i, (prompt, sp) in enumerate(workload()):
+        eng.add_request(f"q{i}", prompt, sp)
+    done: dict[str, Any] = {}
+    max_running = max_waiting_while_running = 0
+    unfinished_flags: list[tuple[bool, int]] = []
+    steps = 0
+    while eng.has_unfinished_requests():
+        outs = eng.step()
+        steps += 1
+        eng.check_invariants()
+        for out in outs:
+            assert not (out.finished and out.request_id in done), f"{out.request_id} twice"
+            if out.finished:
+                done[out.request_id] = out
+        running = len(eng.scheduler.running)
+        max_running = max(max_running, running)
+        if running:
+            max_waiting_while_running = max(max_waiting_while_running, len(eng.scheduler.waiting))
+        unfinished_flags.append((eng.has_unfinished_requests(), len(done)))
+        assert steps < 5000, "the engine does not make progress"
+    return {
+        "done": done,
+        "max_running": max_running,
+        "max_waiting_while_running": max_waiting_while_running,
+        "unfinished_flags": unfinished_flags,
+        "stats": llm.stats(),
+    }
+
+
+def ran(queued_run: dict[str, Any]) -> dict[str, Any]:
+    if "error" in queued_run:
+        raise AssertionError(f"the queued run failed: {queued_run['error']!r}")
+    return queued_run
+
+
+def test_all_requests_complete_with_the_large_pool_tokens(
+    queued_run: dict[str, Any], reference: list[list[int]]
+) -> None:
+    done = ran(queued_run)["done"]
+    assert sorted(done) == sorted(f"q{i}" for i in range(NUM_REQUESTS))
+    for i, (_, sp) in enumerate(workload()):
+        out = done[f"q{i}"]
+        assert out.finish_reason == "length"
+        assert len(out.token_ids) == sp.max_tokens
+        assert out.token_ids == reference[i], f"request q{i}"
+
+
+def test_the_pool_forced_queueing(queued_run: dict[str, Any]) -> None:
+    assert ran(queued_run)["max_running"] <= MAX_RUNNING
+    assert queued_run["max_waiting_while_running"] > 0
+
+
+def test_every_page_is_free_or_in_the_tree_at_the_end(
+    queued_run: dict[str, Any], cache_enable: bool
+) -> None:
+    stats = ran(queued_run)["stats"]
+    assert stats["kv_capacity_tokens"] == (SMALL_POOL - 1) * PAGE_SIZE
+    held_by_tree = stats["cache_evictable_tokens"]
+    assert stats["kv_free_tokens"] + held_by_tree == stats["kv_capacity_tokens"]
+    if not cache_enable:
+        assert held_by_tree == 0
+
+
+def test_unfinished_until_the_last_output_is_returned(queued_run: dict[str, Any]) -> None:
+    for still_unfinished, returned in ran(queued_run)["unfinished_flags"]:
+        assert still_unfinished == (returned < NUM_REQUESTS)
