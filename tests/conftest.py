@@ -66,6 +66,49 @@ TINY_DENSE: dict[str, dict[str, Any]] = {
 }
 
 
+HYBRID_COMMON: dict[str, Any] = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+    initializer_range=0.1,
+    tie_word_embeddings=False,
+    eos_token_id=2,
+    full_attention_interval=2,
+)
+TINY_HYBRID: dict[str, dict[str, Any]] = {
+    # Key heads != value heads (grouped value heads), sparse MoE with a shared expert.
+    "qwen3_next": dict(
+        HYBRID_COMMON,
+        architectures=["Qwen3NextForCausalLM"],
+        model_type="qwen3_next",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        mlp_only_layers=[3],
+    ),
+    # Key heads == value heads, dense MLP, tied embeddings.
+    "qwen3_5": dict(
+        HYBRID_COMMON,
+        architectures=["Qwen3_5ForCausalLM"],
+        model_type="qwen3_5_text",
+        linear_num_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+}
+
+
 def build_hf_checkpoint(path: Path, config: dict[str, Any], seed: int = 0) -> Path:
     """Save a random transformers model of ``config`` as ``config.json`` + safetensors."""
     import transformers
@@ -95,3 +138,11 @@ def tiny_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def read_config(path: Path) -> dict[str, Any]:
     return json.loads((path / "config.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def hybrid_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hybrid_ckpts")
+    return {
+        name: build_hf_checkpoint(root / name, cfg, seed=3) for name, cfg in TINY_HYBRID.items()
+    }

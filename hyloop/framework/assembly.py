@@ -13,7 +13,7 @@ from hyloop.framework.config import EngineConfig
 from hyloop.framework.model_runner import ModelRunner
 from hyloop.models.loader import LoadedModel, load_model
 from hyloop.models.tokenizer import TextTokenizer
-from hyloop.pools import KVPool, ReqToTokenPool
+from hyloop.pools import KVPool, RecurrentPool, ReqToTokenPool
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +29,8 @@ class EngineParts:
     req_to_token: ReqToTokenPool
     cache: Any
     runner: ModelRunner
+    recurrent_pool: RecurrentPool | None
+    track_interval: int | None
     tokenizer: TextTokenizer | None
     eos_token_ids: list[int]
     vocab_size: int
@@ -70,14 +72,28 @@ def build_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
     )
     max_running = cfg.scheduler.max_running_requests
     req_to_token = ReqToTokenPool(max_running, max_context, device)
-    cache = build_cache(cfg, kv)
-    runner = ModelRunner(model, kv, req_to_token, spec.vocab_size, device)
+    recurrent, track_interval = None, None
+    if getattr(model, "num_recurrent_layers", 0):
+        slots = cfg.recurrent_pool.num_slots or max(4 * max_running, 16)
+        recurrent = model.new_recurrent_pool(slots, device)
+        track_interval = cfg.recurrent_pool.track_interval or cfg.scheduler.prefill_chunk
+        if track_interval % page_size:
+            raise ValueError(
+                f"recurrent_pool.track_interval defaults to scheduler.prefill_chunk="
+                f"{cfg.scheduler.prefill_chunk}, which is not a multiple of kv_pool.page_size="
+                f"{page_size}; set recurrent_pool.track_interval"
+            )
+    cache = build_cache(cfg, kv, recurrent)
+    runner = ModelRunner(model, kv, req_to_token, spec.vocab_size, device, recurrent)
     derived = {
         "max_context": max_context,
         "kv_pages": num_pages,
         "kv_tokens": (num_pages - 1) * page_size,
         "kv_bytes": kv.nbytes(),
         "cache": type(cache).__name__,
+        "recurrent_slots": recurrent.num_slots if recurrent is not None else 0,
+        "recurrent_bytes": recurrent.nbytes() if recurrent is not None else 0,
+        "track_interval": track_interval,
         "weight_bytes": loaded.weight_bytes,
     }
     log.info("hyloop assembly: %s", derived)
@@ -88,6 +104,8 @@ def build_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         req_to_token=req_to_token,
         cache=cache,
         runner=runner,
+        recurrent_pool=recurrent,
+        track_interval=track_interval,
         tokenizer=loaded.tokenizer,
         eos_token_ids=loaded.eos_token_ids,
         vocab_size=spec.vocab_size,
@@ -97,11 +115,16 @@ def build_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
     )
 
 
-def build_cache(cfg: EngineConfig, kv: KVPool) -> Any:
-    if not cfg.cache.enable:
-        from hyloop.cache.no_reuse import NoReuseCache
+def build_cache(cfg: EngineConfig, kv: KVPool, recurrent: RecurrentPool | None = None) -> Any:
+    """The UHRC with the components the model's layer types need (or a no-reuse stand-in)."""
+    from hyloop.cache import NoReuseCache, UnifiedRadixCache
 
-        return NoReuseCache(kv_allocator=kv.allocator, page_size=kv.page_size)
-    from hyloop.cache import UnifiedRadixCache
-
-    return UnifiedRadixCache(kv_allocator=kv.allocator, page_size=kv.page_size, components=("full",))
+    cls = UnifiedRadixCache if cfg.cache.enable else NoReuseCache
+    if recurrent is not None:
+        return cls(
+            kv_allocator=kv.allocator,
+            page_size=kv.page_size,
+            components=("full", "recurrent"),
+            recurrent_allocator=recurrent.allocator,
+        )
+    return cls(kv_allocator=kv.allocator, page_size=kv.page_size, components=("full",))

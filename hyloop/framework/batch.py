@@ -14,6 +14,7 @@ class Chunk:
     req: Request
     start: int
     length: int
+    track_slot: int = 0  # recurrent slot to publish the state after this chunk into (0: none)
 
     @property
     def completes_prompt(self) -> bool:

@@ -8,11 +8,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
-from hyloop.cache.params import DecLockRefParams  # noqa: F401  (receipt type for readers)
 from hyloop.framework.batch import Batch
 from hyloop.framework.request import Request, RequestOutput, Status
+from hyloop.framework.request_memory import RequestMemory
 from hyloop.framework.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -59,6 +57,14 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._pending_outputs: list[RequestOutput] = []
         self._rng = random.Random(self.cfg.seed)
+        self.memory = RequestMemory(
+            parts.cache,
+            self.kv_alloc,
+            parts.req_to_token,
+            parts.recurrent_pool,
+            self.max_context,
+            parts.track_interval,
+        )
         self.scheduler = _make_scheduler(self)
 
     # -- requests -------------------------------------------------------------------------------
@@ -143,41 +149,11 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending_outputs)
 
-    # -- admission ------------------------------------------------------------------------------
-    def _admit(self, req: Request) -> bool:
-        if self.req_to_token.available() == 0:
-            return False
-        m = self.cache.match_prefix(self._match_params(req.prompt_ids[:-1]))
-        cached = m.prefix_len
-        total = len(req.prompt_ids) + req.max_new
-        own_tokens = total - cached
-        if not self._ensure_free(self.kv_alloc.pages_for(own_tokens)):
-            return False
-        lock = self.cache.inc_lock_ref(m.last_node)
-        own = self.kv_alloc.alloc(own_tokens)
-        assert own is not None
-        req.slots = torch.cat([m.device_indices.to(torch.int64), own]) if cached else own
-        req.own_from = cached
-        req.lock = lock
-        req.num_cached = cached
-        req.num_computed = cached
-        req.req_row = self.req_to_token.alloc()  # type: ignore[assignment]
-        self.req_to_token.write(req.req_row, 0, req.slots[: self.max_context])
-        self.stats_.cached_tokens += cached
-        return True
-
-    def _match_params(self, ids: list[int]) -> Any:
-        from hyloop.cache import MatchPrefixParams, RadixKey
-
-        return MatchPrefixParams(key=RadixKey(ids))
-
-    def _ensure_free(self, pages: int) -> bool:
-        short = pages - self.kv_alloc.num_free_pages()
-        if short > 0 and self.cache.evictable_size() > 0:
-            from hyloop.cache import EvictParams
-
-            self.cache.evict(EvictParams(num_tokens=short * self.page_size))
-        return self.kv_alloc.num_free_pages() >= pages
+    def _admit(self, req: Request) -> bool | None:
+        verdict = self.memory.admit(req, self.scheduler.running)
+        if verdict:
+            self.stats_.cached_tokens += req.num_cached
+        return verdict
 
     # -- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -193,14 +169,38 @@ class Engine:
                 )
             return outputs
         t0 = time.perf_counter()
+        self._assign_track_slots(batch)
         result = self.runner.run(batch, keep_logits=self.capture_logits)
         next_ids = result.next_ids.tolist()
         dt = time.perf_counter() - t0
         self._account(batch, dt)
+        self._commit_progress(batch)
         outputs.extend(self._process(batch, result, next_ids))
         for hook in self.step_hooks:
             hook(self)
         return outputs
+
+    def _assign_track_slots(self, batch: Batch) -> None:
+        for c in batch.chunks:
+            c.track_slot = self.memory.take_track_slot(c.start + c.length)
+
+    def _commit_progress(self, batch: Batch) -> None:
+        """Insert what this step computed: track snapshots, and prefill pages (dense models)."""
+        mem = self.memory
+        for c in batch.chunks:
+            req, end = c.req, c.start + c.length
+            if req.status is not Status.RUNNING:
+                mem.drop_track_slot(c.track_slot)
+                continue
+            if c.track_slot:
+                mem.commit(req, end, state_slot=c.track_slot)
+            elif (
+                mem.commit_during_prefill
+                and not batch.is_decode
+                and end - req.own_from >= self.page_size
+            ):
+                mem.commit(req, end)
+            c.track_slot = 0
 
     def _account(self, batch: Batch, dt: float) -> None:
         s = self.stats_
@@ -242,7 +242,7 @@ class Engine:
     # -- finishing ------------------------------------------------------------------------------
     def _finish(self, req: Request, reason: str) -> None:
         if req.status is Status.RUNNING:
-            self._release(req, commit=reason != "abort")
+            self.memory.release(req, commit=reason != "abort")
         self.scheduler.remove(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
@@ -251,27 +251,6 @@ class Engine:
             self.stats_.requests_aborted += 1
         self._pending_outputs.append(self._output(req))
         del self._requests[req.request_id]
-
-    def _release(self, req: Request, commit: bool) -> None:
-        """Hand the request's KV to the tree (commit) or back to the allocator, then unlock."""
-        from hyloop.cache import InsertParams, RadixKey
-
-        assert req.slots is not None
-        keep = req.own_from  # slots[:keep] belong to the tree already
-        if commit and req.num_computed > 0:
-            n = req.num_computed
-            r = self.cache.insert(
-                InsertParams(key=RadixKey(req.all_ids[:n]), value=req.slots[:n])
-            )
-            keep = r.aligned_len
-        self.cache.dec_lock_ref(req.lock.to_dec_params())
-        req.lock = None
-        own = req.slots[max(keep, req.own_from) :]
-        if own.numel():
-            self.kv_alloc.free(own)
-        self.req_to_token.free(req.req_row)
-        req.req_row = -1
-        req.slots = None
 
     def _output(self, req: Request) -> RequestOutput:
         text = None
@@ -292,18 +271,10 @@ class Engine:
     def request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
 
-    def request_held_tokens(self) -> int:
-        held = 0
-        for req in self.scheduler.running:
-            if req.slots is not None:
-                held += req.slots.numel() - req.own_from
-        return held
-
     def check_invariants(self) -> None:
-        """Ledger: free + request-held + tree-held == capacity; pools and tree consistent."""
-        self.kv_alloc.check_invariants()
-        self.req_to_token.check_invariants()
-        self.cache.check_invariants(request_held_tokens=self.request_held_tokens())
+        """Ledger: free + pending-free + request-held + tree-held == capacity, for KV pages and
+        state slots; tree structure, lock receipts and LRU order consistent."""
+        self.memory.check(self.scheduler.running)
 
     def stats(self) -> dict[str, Any]:
         d = self.stats_.as_dict()
@@ -318,7 +289,9 @@ class Engine:
 def _logprob_entry(result: Any, i: int, tok: int, k: int) -> dict[int, float]:
     entry = {tok: float(result.chosen_lp[i])}
     if k > 0:
-        for lp, tid in zip(result.top_lp[i, :k].tolist(), result.top_ids[i, :k].tolist(), strict=True):
+        for lp, tid in zip(
+            result.top_lp[i, :k].tolist(), result.top_ids[i, :k].tolist(), strict=True
+        ):
             entry[int(tid)] = float(lp)
     return entry
 
@@ -332,4 +305,5 @@ def _make_scheduler(engine: Engine) -> Any:
         prefill_chunk=s.prefill_chunk,
         prefill_token_budget=s.prefill_token_budget,
         admit=engine._admit,
+        chunk_limit=engine.memory.chunk_limit,
     )

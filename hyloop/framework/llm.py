@@ -37,7 +37,9 @@ class LLM:
         else:
             cfg = load_config(config, overrides)
         if model is not None:
-            cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(model)})})
+            cfg = cfg.model_copy(
+                update={"model": cfg.model.model_copy(update={"path": str(model)})}
+            )
         self.config = cfg
         self.parts = build_parts(cfg)
         self.engine = Engine(self.parts)

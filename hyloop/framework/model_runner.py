@@ -13,6 +13,7 @@ from torch import nn
 
 from hyloop.framework.batch import Batch
 from hyloop.graphs.context import StepContext
+from hyloop.graphs.ops import scatter_track_slots
 from hyloop.graphs.sampler import sample, token_hashes
 from hyloop.pools import KVPool, ReqToTokenPool
 
@@ -46,6 +47,10 @@ def run_step(
 ) -> StepOutput:
     """One forward + sample. Shapes are fixed by ``ctx`` and ``st``: capture-safe."""
     hidden = model(ctx)
+    if ctx.recurrent is not None:
+        # Publish each row's state into its track slot (rows without a boundary write slot 0).
+        for buf in (*ctx.recurrent.temporal, *ctx.recurrent.conv):
+            scatter_track_slots(buf, ctx.state_slots, ctx.track_slots)
     rows = torch.arange(hidden.shape[0], device=hidden.device)
     last = hidden[rows, ctx.last_index]
     logits = model.compute_logits(last)
@@ -129,7 +134,7 @@ class ModelRunner:
             kv=self.kv,
             recurrent=self.recurrent,
             state_slots=torch.tensor([c.req.state_slot for c in chunks], dtype=i64, device=dev),
-            track_slots=torch.zeros(len(chunks), dtype=i64, device=dev),
+            track_slots=torch.tensor([c.track_slot for c in chunks], dtype=i64, device=dev),
             is_decode=batch.is_decode,
         )
 

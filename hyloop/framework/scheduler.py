@@ -22,14 +22,16 @@ class Scheduler:
         max_running: int,
         prefill_chunk: int,
         prefill_token_budget: int,
-        admit: Callable[[Request], bool],
-        chunk_limit: Callable[[Request, int], int] | None = None,
+        admit: Callable[[Request], bool | None],
+        chunk_limit: Callable[[Request, int, int], int] | None = None,
     ) -> None:
         self.max_running = max_running
         self.prefill_chunk = prefill_chunk
         self.prefill_token_budget = prefill_token_budget
-        self._admit = admit  # allocates pools for a request; False when it must wait
-        self._chunk_limit = chunk_limit  # optional cap on a chunk (e.g. track boundaries)
+        # Allocates pools for a request: True admitted, False out of resources (stop admitting),
+        # None defer (it would recompute a prefix an admitted request is about to insert).
+        self._admit = admit
+        self._chunk_limit = chunk_limit  # (req, start, length) -> length, e.g. track boundaries
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -46,13 +48,30 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _admit_waiting(self) -> None:
+        """Admit FIFO while there is room, up to one step's prefill budget of pending tokens.
+
+        Admitting lazily (not every waiting request at once) lets later requests match the
+        prefixes that earlier ones insert as their chunks complete.
+        """
+        pending = sum(
+            len(r.prompt_ids) - r.num_computed for r in self.running if not r.prefill_done
+        )
+        deferred: list[Request] = []
         while self.waiting and len(self.running) < self.max_running:
-            req = self.waiting[0]
-            if not self._admit(req):
+            if pending >= self.prefill_token_budget:
+                break
+            req = self.waiting.popleft()
+            verdict = self._admit(req)
+            if verdict is None:
+                deferred.append(req)
+                continue
+            if not verdict:
+                self.waiting.appendleft(req)
                 break  # FIFO: later requests wait behind the head (no starvation)
-            self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
+            pending += len(req.prompt_ids) - req.num_computed
+        self.waiting.extendleft(reversed(deferred))
 
     def next_batch(self) -> Batch | None:
         self._admit_waiting()
@@ -64,7 +83,7 @@ class Scheduler:
             start = req.num_computed
             length = min(len(req.prompt_ids) - start, self.prefill_chunk, budget)
             if self._chunk_limit is not None:
-                length = self._chunk_limit(req, length)
+                length = self._chunk_limit(req, start, length)
             chunks.append(Chunk(req, start, length))
             budget -= length
         if chunks:

@@ -74,6 +74,7 @@ class RecurrentPool:
         ]
         self._role = bytearray(rows)  # SlotRole per slot; slot 0 stays FREE and is never counted
         self._pending: list[int] = []
+        self.allocator.free_listeners.append(self._on_allocator_free)
 
     # -- sizes ----------------------------------------------------------------------------------
     @property
@@ -102,6 +103,11 @@ class RecurrentPool:
         temporal = torch.Size(temporal_shape).numel() * temporal_dtype.itemsize
         conv = conv_dim * (conv_kernel - 1) * conv_dtype.itemsize
         return num_layers * (temporal + conv)
+
+    def _on_allocator_free(self, items: list[int]) -> None:
+        # Slots the tree frees straight into the allocator (evicted snapshots) become FREE.
+        for s in items:
+            self._role[s] = SlotRole.FREE
 
     # -- roles ----------------------------------------------------------------------------------
     def alloc(
