@@ -84,13 +84,16 @@ def build_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
                 f"{page_size}; set recurrent_pool.track_interval"
             )
     cache = build_cache(cfg, kv, recurrent)
-    runner = ModelRunner(model, kv, req_to_token, spec.vocab_size, device, recurrent)
+    runner = ModelRunner(
+        model, kv, req_to_token, spec.vocab_size, device, recurrent, graphs=cfg.graphs
+    )
     derived = {
         "max_context": max_context,
         "kv_pages": num_pages,
         "kv_tokens": (num_pages - 1) * page_size,
         "kv_bytes": kv.nbytes(),
         "cache": type(cache).__name__,
+        "backend": runner.backend,
         "recurrent_slots": recurrent.num_slots if recurrent is not None else 0,
         "recurrent_bytes": recurrent.nbytes() if recurrent is not None else 0,
         "track_interval": track_interval,

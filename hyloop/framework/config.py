@@ -59,6 +59,15 @@ class GraphsSection(_Section):
     buckets: list[int] = Field(
         default_factory=lambda: [1, 2, 4, 8, 16, 32], description="decode batch buckets"
     )
+    kv_len_bucket: int = Field(
+        256, ge=0, description="decode context rounded up to multiples of this; 0: powers of two"
+    )
+    oversize: Literal["split", "eager"] = Field(
+        "split", description="a decode batch above the largest bucket: split it, or run eager"
+    )
+    compile_in_graph: bool = Field(
+        False, description="cuda_graph: capture around the torch.compile'd step"
+    )
 
     @model_validator(mode="after")
     def _check_buckets(self) -> GraphsSection:

@@ -12,9 +12,13 @@ import torch
 from torch import nn
 
 from hyloop.framework.batch import Batch
+from hyloop.framework.config import GraphsSection
+from hyloop.graphs.bucket_runner import BucketRunner
+from hyloop.graphs.buckets import kv_len_buckets
 from hyloop.graphs.context import StepContext
 from hyloop.graphs.ops import scatter_track_slots
 from hyloop.graphs.sampler import sample, token_hashes
+from hyloop.graphs.static_inputs import StepInputs
 from hyloop.pools import KVPool, ReqToTokenPool
 
 
@@ -76,6 +80,7 @@ class ModelRunner:
         vocab_size: int,
         device: torch.device,
         recurrent: object | None = None,
+        graphs: GraphsSection | None = None,
     ) -> None:
         self.model = model
         self.kv = kv
@@ -84,6 +89,27 @@ class ModelRunner:
         self.device = device
         self.recurrent = recurrent
         self.tok_hash = token_hashes(vocab_size, device)
+        graphs = graphs or GraphsSection()
+        self.backend = resolve_backend(graphs.backend, device)
+        self.graph_runner: BucketRunner | None = None
+        if self.backend != "eager":
+            step = kv_len_buckets(
+                req_to_token.max_context,
+                multiple=graphs.kv_len_bucket or None,
+                pow2=graphs.kv_len_bucket == 0,
+            )
+            buckets = [b for b in graphs.buckets if b <= req_to_token.max_requests]
+            self.graph_runner = BucketRunner(
+                self._graph_step,
+                backend=self.backend,  # type: ignore[arg-type]
+                buckets=buckets or [req_to_token.max_requests],
+                kv_len_buckets=step,
+                device=device,
+                padding_row=req_to_token.padding_row,
+                oversize=graphs.oversize,
+                compile_in_graph=graphs.compile_in_graph,
+                name=f"decode-{type(model).__name__}-{id(self):x}",
+            )
 
     # -- inputs ---------------------------------------------------------------------------------
     def build_context(self, batch: Batch) -> StepContext:
@@ -163,11 +189,64 @@ class ModelRunner:
         )
 
     def graph_stats(self) -> dict[str, int]:
-        return _no_graph_stats()
+        if self.graph_runner is None:
+            return _no_graph_stats()
+        st = self.graph_runner.stats()
+        return {k: st[k] for k in ("graph_replays", "eager_fallbacks", "recompiles")}
+
+    def graph_report(self) -> dict[str, object]:
+        return self.graph_runner.stats() if self.graph_runner is not None else {}
+
+    # -- captured decode ------------------------------------------------------------------------
+    def _graph_step(self, inputs: StepInputs) -> dict[str, torch.Tensor]:
+        """The unit a backend captures: one decode step over static inputs."""
+        ctx = inputs.to_context(self.req_to_token.table, self.kv, self.recurrent)
+        st = SamplingTensors(
+            inputs.temperature,
+            inputs.top_k,
+            inputs.top_p,
+            inputs.seeds,
+            inputs.out_pos,
+            inputs.filtered,
+            inputs.num_logprobs,
+        )
+        out = run_step(self.model, ctx, st, self.tok_hash, keep_logits=True)
+        return {k: v for k, v in vars(out).items() if v is not None}
+
+    def decode_inputs(self, batch: Batch) -> StepInputs:
+        ctx = self._decode_context(batch)
+        st = self.build_sampling(batch)
+        return StepInputs(
+            input_ids=ctx.input_ids,
+            positions=ctx.positions,
+            out_cache_loc=ctx.out_cache_loc,
+            req_rows=ctx.req_rows,
+            prefix_lens=ctx.prefix_lens,
+            extend_lens=ctx.extend_lens,
+            state_slots=ctx.state_slots,
+            track_slots=ctx.track_slots,
+            temperature=st.temperature,
+            top_k=st.top_k,
+            top_p=st.top_p,
+            seeds=st.seeds,
+            out_pos=st.out_pos,
+            kv_len=ctx.kv_len,
+            filtered=st.filtered,
+            num_logprobs=st.num_logprobs,
+        )
 
     # -- run ------------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, batch: Batch, keep_logits: bool = False) -> StepOutput:
+        if batch.is_decode and self.graph_runner is not None:
+            out = self.graph_runner.run(self.decode_inputs(batch))
+            return StepOutput(
+                next_ids=out["next_ids"],
+                logits=out.get("logits") if keep_logits else None,
+                top_lp=out.get("top_lp"),
+                top_ids=out.get("top_ids"),
+                chosen_lp=out.get("chosen_lp"),
+            )
         ctx = self.build_context(batch)
         st = self.build_sampling(batch)
         return run_step(self.model, ctx, st, self.tok_hash, keep_logits)
@@ -175,3 +254,12 @@ class ModelRunner:
 
 def _no_graph_stats() -> dict[str, int]:
     return {"graph_replays": 0, "eager_fallbacks": 0, "recompiles": 0}
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """``auto``: CUDA graphs on a GPU, ``torch.compile`` per bucket on CPU."""
+    if name == "auto":
+        return "cuda_graph" if device.type == "cuda" else "compile"
+    if name == "cuda_graph" and device.type != "cuda":
+        raise ValueError(f"graphs.backend=cuda_graph needs a CUDA device, got device={device}")
+    return name
