@@ -51,7 +51,7 @@ class SWAComponent(CacheComponent):
             if i == 0:
                 return True
             i -= 1
-            m = len(path[i].key)
+            m = path[i].length
         if path[i].component_data[SWA].value is None:
             return False
         return ctx[i] + m >= self.window
