@@ -1,0 +1,256 @@
+"""Decode throughput: hyloop against HF transformers ``generate()`` on the same checkpoint.
+
+Both run greedy over the same prompt token ids (equal-length prompts, so HF needs no padding) and
+produce exactly ``--new-tokens`` tokens (hyloop: ``ignore_eos``; HF: ``min_new_tokens``), in fp32
+and bf16, at batch 1 and 16. Decode tok/s excludes prefill for both: hyloop's from its engine
+counters (tokens of decode steps / time in decode steps), HF's as ``B * (N - 1)`` over
+``t(generate N) - t(generate 1)``. End-to-end tok/s (prefill included) is reported beside it.
+
+At batch 1 the step is bound by reading the weights once, so the table also shows the fraction
+of that floor reached: ``weight_bytes / read_bandwidth`` over the measured time per token, with
+the bandwidth measured in the same run (a torch ``sum`` over 1 GiB on all threads).
+
+    python bench/decode_throughput.py [--quick] [--json PATH] [--model CKPT] [--backend eager]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from hyloop import LLM, SamplingParams  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+TEXT = (
+    "The history of the printing press begins in the fifteenth century, when movable type made "
+    "books cheap enough for merchants, students and craftsmen. Within fifty years presses were "
+    "running in more than two hundred cities, and the number of books in Europe grew into the "
+    "millions. Scholars argued about the effects on religion, science and the spread of news."
+)
+
+
+def read_bandwidth(gib: float = 1.0, reps: int = 5) -> float:
+    """Bytes/s of a streaming read: best of ``reps`` sums over a ``gib`` GiB fp32 tensor."""
+    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
+    x.sum()  # fault the pages in
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best
+
+
+def make_prompts(llm: LLM, batch: int, length: int) -> list[list[int]]:
+    """``batch`` distinct prompts of exactly ``length`` token ids."""
+    tok = llm.tokenizer
+    if tok is not None:
+        ids = list(tok.encode(TEXT))
+        while len(ids) < length + batch:
+            ids = ids + ids
+    else:
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(3, llm.engine.vocab_size, (length + batch,), generator=g).tolist()
+    return [ids[i : i + length] for i in range(batch)]
+
+
+def load_hf(model: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    if model.is_file() and model.suffix == ".gguf":
+        hf = AutoModelForCausalLM.from_pretrained(
+            str(model.parent), gguf_file=model.name, dtype=torch.float32
+        )
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+    return hf.eval()
+
+
+def run_hyloop(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    warm = SamplingParams(temperature=0.0, max_tokens=min(4, new_tokens), ignore_eos=True)
+    llm.generate(prompts, warm, use_tqdm=False)
+    s0 = dict(llm.stats())
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    s1 = llm.stats()
+    if any(len(o.token_ids) != new_tokens for o in outs):
+        raise RuntimeError(f"hyloop produced {[len(o.token_ids) for o in outs]} tokens")
+    decode_tokens = s1["decode_tokens"] - s0["decode_tokens"]
+    decode_time = s1["decode_time"] - s0["decode_time"]
+    return {
+        "decode_tok_s": decode_tokens / decode_time,
+        "e2e_tok_s": len(prompts) * new_tokens / wall,
+        "decode_steps": s1["decode_steps"] - s0["decode_steps"],
+        "token_ids": [o.token_ids for o in outs],
+    }
+
+
+def run_hf(hf: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
+    ids = torch.tensor(prompts)
+    mask = torch.ones_like(ids)
+    pad = hf.generation_config.eos_token_id
+    pad = pad[0] if isinstance(pad, list) else pad
+
+    def gen(n: int) -> tuple[float, torch.Tensor]:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = hf.generate(
+                ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                pad_token_id=pad,
+            )
+        return time.perf_counter() - t0, out
+
+    gen(min(4, new_tokens))  # warm-up
+    t1, _ = gen(1)
+    tn, out = gen(new_tokens)
+    gen_ids = out[:, ids.shape[1] :].tolist()
+    if any(len(g) != new_tokens for g in gen_ids):
+        raise RuntimeError(f"transformers produced {[len(g) for g in gen_ids]} tokens")
+    batch = len(prompts)
+    return {
+        "decode_tok_s": batch * (new_tokens - 1) / max(tn - t1, 1e-9),
+        "e2e_tok_s": batch * new_tokens / tn,
+        "token_ids": gen_ids,
+    }
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(os.cpu_count() or 1)
+    if args.model:
+        model = Path(args.model)
+    else:
+        from hyloop.recipes.offline import default_checkpoint
+
+        model = default_checkpoint()
+    bandwidth = read_bandwidth()
+    print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s ({torch.get_num_threads()} threads)")
+    hf = load_hf(model)
+    rows = []
+    for dtype in args.dtypes:
+        hf = hf.to(DTYPES[dtype])
+        overrides = [
+            f"dtype={dtype}",
+            f"graphs.backend={args.backend}",
+            f"model.max_context={args.prompt_len + args.new_tokens + 16}",
+            "kv_pool.page_size=16",
+            f"scheduler.max_running_requests={max(args.batches)}",
+            "cache.enable=false",  # every run computes the same prefill
+        ]
+        with LLM(model=model, overrides=overrides) as llm:
+            weight_bytes = int(llm.stats()["weight_bytes"])
+            for batch in args.batches:
+                prompts = make_prompts(llm, batch, args.prompt_len)
+                ours = run_hyloop(llm, prompts, args.new_tokens)
+                theirs = run_hf(hf, prompts, args.new_tokens)
+                floor_s = weight_bytes / bandwidth  # seconds per step to read the weights once
+                row = {
+                    "dtype": dtype,
+                    "batch": batch,
+                    "hyloop_tok_s": ours["decode_tok_s"],
+                    "hf_tok_s": theirs["decode_tok_s"],
+                    "ratio": ours["decode_tok_s"] / theirs["decode_tok_s"],
+                    "hyloop_e2e_tok_s": ours["e2e_tok_s"],
+                    "hf_e2e_tok_s": theirs["e2e_tok_s"],
+                    "weight_bytes": weight_bytes,
+                    "greedy_ids_equal": ours["token_ids"] == theirs["token_ids"],
+                }
+                if batch == 1:
+                    row["hyloop_floor_fraction"] = floor_s * ours["decode_tok_s"]
+                    row["hf_floor_fraction"] = floor_s * theirs["decode_tok_s"]
+                rows.append(row)
+                print_row(row)
+    return {
+        "bench": "decode_throughput",
+        "model": str(model),
+        "backend": args.backend,
+        "new_tokens": args.new_tokens,
+        "prompt_len": args.prompt_len,
+        "metric": "decode tok/s, prefill excluded for both (end-to-end beside it)",
+        "read_bandwidth_bytes_s": bandwidth,
+        "threads": torch.get_num_threads(),
+        "load_avg": os.getloadavg(),
+        "torch": torch.__version__,
+        "machine": platform.processor() or platform.machine(),
+        "rows": rows,
+    }
+
+
+HEADER = (
+    f"{'dtype':>9} {'batch':>5} {'hyloop tok/s':>12} {'HF tok/s':>9} {'ratio':>6} "
+    f"{'floor% hyloop':>13} {'floor% HF':>9} {'same ids':>8}"
+)
+
+
+def print_row(row: dict[str, Any]) -> None:
+    if not getattr(print_row, "_header_done", False):
+        print(HEADER)
+        print_row._header_done = True  # type: ignore[attr-defined]
+    floor = row.get("hyloop_floor_fraction")
+    floor_hf = row.get("hf_floor_fraction")
+    print(
+        f"{row['dtype']:>9} {row['batch']:>5} {row['hyloop_tok_s']:>12.1f} {row['hf_tok_s']:>9.1f} "
+        f"{row['ratio']:>6.2f} {_pct(floor):>13} {_pct(floor_hf):>9} "
+        f"{str(row['greedy_ids_equal']):>8}",
+        flush=True,
+    )
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer new tokens (a smoke run)")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--model", help="HF checkpoint dir or .gguf (default: SmolLM2-135M GGUF)")
+    p.add_argument("--backend", default="eager", help="hyloop graphs.backend override")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated")
+    p.add_argument("--batches", default="1,16", help="comma-separated batch sizes")
+    p.add_argument("--new-tokens", type=int, default=None, help="default 64 (--quick: 8)")
+    p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per request")
+    args = p.parse_args(argv)
+    args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    bad = [d for d in args.dtypes if d not in DTYPES]
+    if bad:
+        p.error(f"--dtypes: {bad} not in {sorted(DTYPES)}")
+    try:
+        args.batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        p.error(f"--batches: {args.batches!r} is not a comma-separated list of ints")
+    if any(b < 1 for b in args.batches):
+        p.error(f"--batches: {args.batches} must all be >= 1")
+    if args.new_tokens is None:
+        args.new_tokens = 8 if args.quick else 64
+    if args.new_tokens < 2:
+        p.error(f"--new-tokens: {args.new_tokens}; expected >= 2 (one prefill token + decode)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = bench(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
