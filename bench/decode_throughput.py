@@ -132,6 +132,10 @@ def run_hf(hf: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> di
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(os.cpu_count() or 1)
+    load_start = os.getloadavg()
+    if load_start[0] > 0.5 * (os.cpu_count() or 1):
+        # Other jobs sharing the cores distort CPU timings several-fold.
+        print(f"warning: load average {load_start[0]:.1f} at start; timings are unreliable")
     if args.model:
         model = Path(args.model)
     else:
@@ -184,7 +188,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "metric": "decode tok/s, prefill excluded for both (end-to-end beside it)",
         "read_bandwidth_bytes_s": bandwidth,
         "threads": torch.get_num_threads(),
-        "load_avg": os.getloadavg(),
+        "load_avg_start": load_start,
+        "load_avg_end": os.getloadavg(),
         "torch": torch.__version__,
         "machine": platform.processor() or platform.machine(),
         "rows": rows,
