@@ -10,7 +10,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from hyloop.models.loaders.hf import eos_ids_from, iter_safetensors, read_hf_config, safetensors_files
+from hyloop.models.loaders.hf import (
+    eos_ids_from,
+    iter_safetensors,
+    read_hf_config,
+    safetensors_files,
+)
 from hyloop.models.registry import model_class
 from hyloop.models.tokenizer import TextTokenizer, load_hf_tokenizer
 from hyloop.models.weights import load_weights

@@ -46,7 +46,9 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n}: invalid JSON ({e})") from e
             if not isinstance(row, dict) or ("prompt" in row) == ("prompt_token_ids" in row):
-                raise ValueError(f"{path}:{n}: expected an object with `prompt` or `prompt_token_ids`")
+                raise ValueError(
+                    f"{path}:{n}: expected an object with `prompt` or `prompt_token_ids`"
+                )
             unknown = set(row) - SAMPLING_FIELDS - {"prompt", "prompt_token_ids", "id", "messages"}
             if unknown:
                 raise ValueError(f"{path}:{n}: unknown fields {sorted(unknown)}")

@@ -51,7 +51,11 @@ class DenseSpec:
         is_qwen2 = arch == "Qwen2ForCausalLM"
         window = cfg.get("sliding_window")
         max_pos = int(cfg.get("max_position_embeddings", 4096))
-        if window and cfg.get("use_sliding_window", arch == "MistralForCausalLM") and window < max_pos:
+        if (
+            window
+            and cfg.get("use_sliding_window", arch == "MistralForCausalLM")
+            and window < max_pos
+        ):
             raise ValueError(
                 f"sliding_window={window} < max_position_embeddings={max_pos}: sliding-window "
                 "attention layers are not supported by the dense engine"
@@ -157,7 +161,9 @@ class DenseCausalLM(nn.Module):
 
     @property
     def tied_weights(self) -> dict[str, str]:
-        return {"lm_head.weight": "model.embed_tokens.weight"} if self.spec.tie_word_embeddings else {}
+        return (
+            {"lm_head.weight": "model.embed_tokens.weight"} if self.spec.tie_word_embeddings else {}
+        )
 
     def forward(self, ctx: StepContext) -> torch.Tensor:
         x = self.model.embed_tokens(ctx.input_ids)

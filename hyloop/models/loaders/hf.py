@@ -36,7 +36,9 @@ def safetensors_files(ckpt: Path) -> list[Path]:
         files = [ckpt / n for n in names]
         absent = [str(f) for f in files if not f.is_file()]
         if absent:
-            raise FileNotFoundError(f"checkpoint {ckpt}: shards listed in the index are missing: {absent}")
+            raise FileNotFoundError(
+                f"checkpoint {ckpt}: shards listed in the index are missing: {absent}"
+            )
         return files
     single = ckpt / "model.safetensors"
     if single.is_file():
