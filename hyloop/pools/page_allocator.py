@@ -6,6 +6,9 @@ reserved as the padding sink: padded rows of a captured step write there and not
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 
@@ -40,6 +43,11 @@ class PageAllocator:
         self._mark = np.zeros(num_pages, dtype=np.int64)
         self._order = np.arange(num_pages, dtype=np.int64)
         self._page_offsets = torch.arange(page_size, dtype=torch.int64)
+        # Deferred frees: pages freed while a launched step may still read them wait here,
+        # tagged with a generation, until ``flush_pending`` says that step has completed.
+        self._defer_gen: int | None = None
+        self._pending: list[tuple[int, np.ndarray]] = []
+        self._is_pending = np.zeros(num_pages, dtype=np.bool_)
 
     # -- capacity -------------------------------------------------------------------------------
     @property
@@ -101,15 +109,54 @@ class PageAllocator:
         order = self._order[: len(pages)]
         mark = self._mark
         mark[pages] = order
-        if ((mark[pages] != order) | self._is_free[pages]).any():
-            if self.page_size > 1 and not self._is_free[pages].any():
+        if ((mark[pages] != order) | self._is_free[pages] | self._is_pending[pages]).any():
+            if self.page_size > 1 and not (self._is_free[pages] | self._is_pending[pages]).any():
                 pages = np.unique(pages)  # one page's slots given out of order: not an error
             else:
                 self._raise_bad_free(pages)
+        if self._defer_gen is not None:
+            self._is_pending[pages] = True
+            self._pending.append((self._defer_gen, pages.copy()))
+            return
+        self._push(pages)
+
+    def _push(self, pages: np.ndarray) -> None:
         self._is_free[pages] = True
         top = self._top
         self._stack[top : top + len(pages)] = pages
         self._top = top + len(pages)
+
+    # -- deferred frees -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def deferring(self, generation: int) -> Iterator[None]:
+        """Inside, ``free`` parks pages as pending-free under ``generation`` (not reusable)."""
+        previous, self._defer_gen = self._defer_gen, generation
+        try:
+            yield
+        finally:
+            self._defer_gen = previous
+
+    def flush_pending(self, through: int | None = None) -> int:
+        """Release pending pages of generations ``<= through`` (all when None); returns pages."""
+        keep: list[tuple[int, np.ndarray]] = []
+        released = 0
+        for gen, pages in self._pending:
+            if through is None or gen <= through:
+                self._is_pending[pages] = False
+                self._push(pages)
+                released += len(pages)
+            else:
+                keep.append((gen, pages))
+        self._pending = keep
+        return released
+
+    def pending_size(self) -> int:
+        """Token slots freed but not yet reusable."""
+        return int(self._is_pending.sum()) * self.page_size
+
+    def is_free_page(self, pages: np.ndarray) -> np.ndarray:
+        """Which of ``pages`` are on the free list (reusable now)."""
+        return self._is_free[pages]
 
     def free_page_ids(self) -> set[int]:
         return set(self._stack[: self._top].tolist())
@@ -122,6 +169,10 @@ class PageAllocator:
             raise AssertionError("page allocator: the padding page 0 is in the free list")
         if int(self._is_free.sum()) - 1 != len(free) or not self._is_free[0]:
             raise AssertionError("page allocator: free bitmap and free list disagree")
+        if (self._is_free & self._is_pending).any():
+            raise AssertionError("page allocator: a page is both free and pending-free")
+        if sum(len(p) for _, p in self._pending) != int(self._is_pending.sum()):
+            raise AssertionError("page allocator: pending list and pending bitmap disagree")
 
     def _raise_bad_free(self, pages: np.ndarray) -> None:
         if (pages == 0).any():
