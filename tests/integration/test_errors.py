@@ -19,7 +19,12 @@ from hyloop import LLM, SamplingParams
 from hyloop.framework.config import ConfigError
 
 MAX_CONTEXT = 64
-OVERRIDES = ["kv_pool.page_size=4", "kv_pool.num_pages=64", f"model.max_context={MAX_CONTEXT}"]
+OVERRIDES = [
+    "kv_pool.page_size=4",
+    "kv_pool.num_pages=64",
+    f"model.max_context={MAX_CONTEXT}",
+    "scheduler.prefill_chunk=8",
+]
 GOOD = {
     "A": ([5, 6, 7, 8, 9], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)),
     "B": ([40] * 13, SamplingParams(temperature=1.0, seed=11, max_tokens=10, ignore_eos=True)),
@@ -223,25 +228,31 @@ def test_abort_unknown_or_finished_is_a_noop(llm: LLM) -> None:
     llm.engine.check_invariants()
 
 
-@pytest.mark.parametrize("steps_before", [0, 1, 4])
+@pytest.mark.parametrize("steps_before", [0, 1, 3, 8])  # waiting, mid-prefill, decoding
 def test_abort_frees_the_request(
     llm: LLM, reference: dict[str, list[int]], steps_before: int
 ) -> None:
     eng = llm.engine
-    free_before = llm.stats()["kv_free_tokens"]
-    eng.add_request("victim", [60 + i for i in range(20)], SamplingParams(max_tokens=30))
+    victim = [60 + i + steps_before for i in range(30)]  # 4 prefill chunks of 8
+    eng.add_request("victim", victim, SamplingParams(max_tokens=30))
     eng.add_request("A", *GOOD["A"])
     for _ in range(steps_before):
         eng.step()
+    reclaimable = llm.stats()["kv_free_tokens"] + llm.stats()["cache_evictable_tokens"]
     eng.abort_request("victim")
-    done = drain(llm)
-    assert done["victim"].finish_reason == "abort"
-    assert len(done["victim"].token_ids) <= steps_before
-    assert done["A"].token_ids == reference["A"]
-    # The aborted request inserts nothing; A's tokens may now live in the tree.
-    stats = llm.stats()
-    assert stats["kv_free_tokens"] + stats["cache_evictable_tokens"] >= free_before
+    outs = eng.step()
+    assert [o.finish_reason for o in outs if o.request_id == "victim"] == ["abort"]
+    if steps_before:
+        # Its reserved pages (prompt + 30 new tokens) are back: free, or unlocked in the tree.
+        after = llm.stats()["kv_free_tokens"] + llm.stats()["cache_evictable_tokens"]
+        assert after >= reclaimable + 30
     eng.check_invariants()
+    done = drain(llm)
+    assert "victim" not in done  # its one output was returned above
+    assert done["A"].token_ids == reference["A"]
+    # Idle: every page is free or held, unlocked, by the tree.
+    stats = llm.stats()
+    assert stats["kv_free_tokens"] + stats["cache_evictable_tokens"] == stats["kv_capacity_tokens"]
 
 
 # -- stopping ------------------------------------------------------------------------------------
