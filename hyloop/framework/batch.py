@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from hyloop.framework.request import Request
 
 
@@ -15,6 +17,7 @@ class Chunk:
     start: int
     length: int
     track_slot: int = 0  # recurrent slot to publish the state after this chunk into (0: none)
+    out_pos: int = -1  # index of the token this chunk samples; -1: len(req.output_ids)
 
     @property
     def completes_prompt(self) -> bool:
@@ -25,6 +28,8 @@ class Chunk:
 class Batch:
     chunks: list[Chunk]
     is_decode: bool
+    # Lookahead: the decode inputs come from the previous step's device output, not the host.
+    input_ids: torch.Tensor | None = None  # [B] int64 on the device
 
     @property
     def size(self) -> int:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hyloop.framework.batch import Batch
+from hyloop.framework.lookahead import Lookahead
 from hyloop.framework.request import Request, RequestOutput, Status
 from hyloop.framework.request_memory import RequestMemory
 from hyloop.framework.sampling_params import SamplingParams
@@ -27,6 +28,8 @@ class EngineStats:
         self.decode_time = 0.0
         self.requests_finished = 0
         self.requests_aborted = 0
+        self.host_exposed_time = 0.0  # step wall time not spent executing the step
+        self.step_exec_time = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return dict(vars(self))
@@ -53,6 +56,7 @@ class Engine:
         self.page_size = self.kv_alloc.page_size
         self.stats_ = EngineStats()
         self.capture_logits = False  # debug: keep the logits of every sampled token
+        self.stream_text = False  # decode text for unfinished outputs too (costs host time)
         self.step_hooks: list[Callable[[Engine], None]] = []
         self._requests: dict[str, Request] = {}
         self._pending_outputs: list[RequestOutput] = []
@@ -66,6 +70,8 @@ class Engine:
             parts.track_interval,
         )
         self.scheduler = _make_scheduler(self)
+        la = self.cfg.lookahead
+        self.lookahead: Lookahead | None = Lookahead(self, la.min_batch) if la.enable else None
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(
@@ -131,7 +137,8 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(
-                f"request {request_id!r}: token id {bad[0]} outside the vocab [0, {self.vocab_size})"
+                f"request {request_id!r}: token id {bad[0]} outside the vocab "
+                f"[0, {self.vocab_size})"
             )
         if len(ids) >= self.max_context:
             raise ValueError(
@@ -147,7 +154,8 @@ class Engine:
         self._finish(req, "abort")
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work() or bool(self._pending_outputs)
+        inflight = self.lookahead is not None and self.lookahead.inflight is not None
+        return self.scheduler.has_work() or bool(self._pending_outputs) or inflight
 
     def _admit(self, req: Request) -> bool | None:
         verdict = self.memory.admit(req, self.scheduler.running)
@@ -157,42 +165,63 @@ class Engine:
 
     # -- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        outputs = self._pending_outputs
-        self._pending_outputs = []
-        batch = self.scheduler.next_batch()
-        if batch is None:
-            if self.scheduler.waiting and not self.scheduler.running:
-                head = self.scheduler.waiting[0]
-                raise RuntimeError(
-                    f"request {head.request_id!r} cannot be admitted into an idle engine "
-                    "(pool too small for it)"
-                )
-            return outputs
-        t0 = time.perf_counter()
-        self._assign_track_slots(batch)
-        result = self.runner.run(batch, keep_logits=self.capture_logits)
-        next_ids = result.next_ids.tolist()
-        dt = time.perf_counter() - t0
-        self._account(batch, dt)
-        self._commit_progress(batch)
-        outputs.extend(self._process(batch, result, next_ids))
+        """Run one step; returns the outputs resolved by it (one step late under lookahead)."""
+        if self.lookahead is not None:
+            outputs = self.lookahead.step()
+        else:
+            outputs = self.take_pending_outputs()
+            batch = self.scheduler.next_batch()
+            if batch is None:
+                self.check_idle()
+            else:
+                outputs += self.run_sync(batch)
         for hook in self.step_hooks:
             hook(self)
         return outputs
 
-    def _assign_track_slots(self, batch: Batch) -> None:
+    def take_pending_outputs(self) -> list[RequestOutput]:
+        outputs, self._pending_outputs = self._pending_outputs, []
+        return outputs
+
+    def check_idle(self) -> None:
+        if self.scheduler.waiting and not self.scheduler.running:
+            head = self.scheduler.waiting[0]
+            raise RuntimeError(
+                f"request {head.request_id!r} cannot be admitted into an idle engine "
+                "(pool too small for it)"
+            )
+
+    def run_sync(self, batch: Batch) -> list[RequestOutput]:
+        """Launch and resolve one step on this thread."""
+        t0 = time.perf_counter()
+        prepared = self.prepare_decode(batch)
+        t_exec = time.perf_counter()
+        result = self.runner.execute(prepared, keep_logits=self.capture_logits)
+        next_ids = result.next_ids.tolist()
+        dt_exec = time.perf_counter() - t_exec
+        self.commit_progress(batch)
+        outputs = self.process(batch, result, next_ids, None)
+        self.account(batch, time.perf_counter() - t0, dt_exec)
+        return outputs + self.take_pending_outputs()
+
+    def prepare_decode(self, batch: Batch) -> Any:
+        """Host side of a launch: track slots, sampled-token counters, step inputs."""
         for c in batch.chunks:
             c.track_slot = self.memory.take_track_slot(c.start + c.length)
+            if batch.is_decode or c.completes_prompt:
+                if c.out_pos < 0:
+                    c.out_pos = c.req.num_sampled
+                c.req.num_sampled += 1
+        return self.runner.prepare(batch)
 
-    def _commit_progress(self, batch: Batch) -> None:
+    def commit_progress(self, batch: Batch) -> None:
         """Insert what this step computed: track snapshots, and prefill pages (dense models)."""
         mem = self.memory
         for c in batch.chunks:
             req, end = c.req, c.start + c.length
             if req.status is not Status.RUNNING:
-                mem.drop_track_slot(c.track_slot)
-                continue
-            if c.track_slot:
+                mem.drop_track_slot(c.track_slot)  # a post-stop step: never inserted
+            elif c.track_slot:
                 mem.commit(req, end, state_slot=c.track_slot)
             elif (
                 mem.commit_during_prefill
@@ -202,23 +231,28 @@ class Engine:
                 mem.commit(req, end)
             c.track_slot = 0
 
-    def _account(self, batch: Batch, dt: float) -> None:
+    def account(self, batch: Batch, wall: float, exec_time: float) -> None:
         s = self.stats_
+        s.host_exposed_time += max(0.0, wall - exec_time)
+        s.step_exec_time += exec_time
         if batch.is_decode:
             s.decode_steps += 1
             s.decode_tokens += batch.size
-            s.decode_time += dt
+            s.decode_time += wall
         else:
             s.prefill_steps += 1
             s.prefill_tokens_computed += batch.num_tokens
-            s.prefill_time += dt
+            s.prefill_time += wall
 
-    def _process(self, batch: Batch, result: Any, next_ids: list[int]) -> list[RequestOutput]:
+    def process(
+        self, batch: Batch, result: Any, next_ids: list[int], defer_gen: int | None
+    ) -> list[RequestOutput]:
+        """Append sampled tokens, run stop checks, finish requests; returns running outputs."""
         outs: list[RequestOutput] = []
         for i, chunk in enumerate(batch.chunks):
             req = chunk.req
-            if req.status is Status.FINISHED:
-                continue  # aborted while the step ran
+            if req.status is not Status.RUNNING:
+                continue  # finished or aborted before this step resolved: token discarded
             req.num_computed = chunk.start + chunk.length
             if not batch.is_decode and not chunk.completes_prompt:
                 continue
@@ -234,15 +268,22 @@ class Engine:
             elif len(req.output_ids) >= req.max_new:
                 reason = "length"
             if reason is not None:
-                self._finish(req, reason)
+                self._finish(req, reason, defer_gen)
             else:
                 outs.append(self._output(req))
         return outs
 
     # -- finishing ------------------------------------------------------------------------------
-    def _finish(self, req: Request, reason: str) -> None:
+    def _finish(self, req: Request, reason: str, defer_gen: int | None = -1) -> None:
+        if defer_gen == -1:  # not from a resolve: defer to whatever step is in flight
+            defer_gen = self.lookahead.defer_gen if self.lookahead is not None else None
         if req.status is Status.RUNNING:
-            self.memory.release(req, commit=reason != "abort")
+            self.memory.release(
+                req,
+                commit=reason != "abort",
+                defer_gen=defer_gen,
+                state_current=self.lookahead is None,
+            )
         self.scheduler.remove(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
@@ -254,7 +295,8 @@ class Engine:
 
     def _output(self, req: Request) -> RequestOutput:
         text = None
-        if self.tokenizer is not None:
+        finished = req.status is Status.FINISHED
+        if self.tokenizer is not None and (finished or self.stream_text):
             text = self.tokenizer.decode(req.output_ids)
         return RequestOutput(
             request_id=req.request_id,
@@ -267,6 +309,11 @@ class Engine:
             logprobs=list(req.logprobs) if req.logprobs is not None else None,
         )
 
+    def close(self) -> None:
+        if self.lookahead is not None:
+            self.lookahead.close()
+        self.runner.close()
+
     # -- introspection --------------------------------------------------------------------------
     def request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
@@ -274,12 +321,20 @@ class Engine:
     def check_invariants(self) -> None:
         """Ledger: free + pending-free + request-held + tree-held == capacity, for KV pages and
         state slots; tree structure, lock receipts and LRU order consistent."""
-        self.memory.check(self.scheduler.running)
+        track = 0
+        if self.lookahead is not None:
+            self.lookahead.check_inflight()
+            if self.lookahead.inflight is not None:
+                track = sum(1 for c in self.lookahead.inflight.batch.chunks if c.track_slot)
+        self.memory.check(self.scheduler.running, track_held=track)
 
     def stats(self) -> dict[str, Any]:
         d = self.stats_.as_dict()
         d.update(self.runner.graph_stats())
         d["weight_bytes"] = self.parts.weight_bytes
+        if self.lookahead is not None:
+            d["lookahead_hidden_host_s"] = self.lookahead.hidden_host_s
+            d["lookahead_wait_s"] = self.lookahead.exposed_wait_s
         d["kv_free_tokens"] = self.kv_alloc.available_size()
         d["kv_capacity_tokens"] = self.kv_alloc.capacity
         d["cache_evictable_tokens"] = self.cache.evictable_size()

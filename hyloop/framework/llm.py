@@ -44,7 +44,7 @@ class LLM:
         self.parts = build_parts(cfg)
         self.engine = Engine(self.parts)
         self._counter = 0
-        self._finalizer = weakref.finalize(self, _close_parts, self.parts)
+        self._finalizer = weakref.finalize(self, _close_engine, self.engine, self.parts)
 
     @property
     def tokenizer(self) -> Any:
@@ -139,9 +139,7 @@ def _rates(s0: dict[str, Any], s: dict[str, Any]) -> dict[str, str]:
     return {"prefill tok/s": f"{prefill:.0f}", "decode tok/s": f"{decode:.1f}"}
 
 
-def _close_parts(parts: Any) -> None:
-    closer = getattr(parts.runner, "close", None)
-    if callable(closer):
-        closer()
+def _close_engine(engine: Engine, parts: Any) -> None:
+    engine.close()
     parts.kv_pool.k.clear()
     parts.kv_pool.v.clear()

@@ -7,6 +7,7 @@ forward, last-token logits, sampling and logprobs, all tensor ops with no host s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -131,14 +132,17 @@ class ModelRunner:
         return self._context(batch, ids, pos, loc)
 
     def _decode_context(self, batch: Batch) -> StepContext:
-        ids, pos, loc = [], [], []
+        pos, loc = [], []
         for c in batch.chunks:
-            req = c.req
-            ids.append(req.output_ids[-1])
             pos.append(c.start)
-            loc.append(int(req.slots[c.start]))
+            loc.append(int(c.req.slots[c.start]))
+        if batch.input_ids is not None:
+            ids = batch.input_ids.view(-1, 1)  # already on the device (lookahead)
+        else:
+            ids = torch.tensor([c.req.output_ids[-1] for c in batch.chunks], dtype=torch.int64)
+            ids = ids.view(-1, 1)
         as_col = lambda xs: torch.tensor(xs, dtype=torch.int64).view(-1, 1)  # noqa: E731
-        return self._context(batch, as_col(ids), as_col(pos), as_col(loc))
+        return self._context(batch, ids, as_col(pos), as_col(loc))
 
     def _context(
         self, batch: Batch, ids: torch.Tensor, pos: torch.Tensor, loc: torch.Tensor
@@ -173,7 +177,7 @@ class ModelRunner:
             topk.append(self.vocab_size if p.top_k == -1 else min(p.top_k, self.vocab_size))
             topp.append(p.top_p)
             seeds.append(c.req.seed32)
-            outpos.append(len(c.req.output_ids))
+            outpos.append(c.out_pos if c.out_pos >= 0 else len(c.req.output_ids))
             filtered = filtered or p.needs_filter
             if p.logprobs is not None:
                 nlp = max(nlp, p.logprobs, 1)
@@ -236,10 +240,17 @@ class ModelRunner:
         )
 
     # -- run ------------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def run(self, batch: Batch, keep_logits: bool = False) -> StepOutput:
+    def prepare(self, batch: Batch) -> Any:
+        """Host work of a step: its inputs as device tensors (captured decode or eager)."""
         if batch.is_decode and self.graph_runner is not None:
-            out = self.graph_runner.run(self.decode_inputs(batch))
+            return self.decode_inputs(batch)
+        return self.build_context(batch), self.build_sampling(batch)
+
+    @torch.inference_mode()
+    def execute(self, prepared: Any, keep_logits: bool = False) -> StepOutput:
+        if isinstance(prepared, StepInputs):
+            assert self.graph_runner is not None
+            out = self.graph_runner.run(prepared)
             return StepOutput(
                 next_ids=out["next_ids"],
                 logits=out.get("logits") if keep_logits else None,
@@ -247,9 +258,14 @@ class ModelRunner:
                 top_ids=out.get("top_ids"),
                 chosen_lp=out.get("chosen_lp"),
             )
-        ctx = self.build_context(batch)
-        st = self.build_sampling(batch)
+        ctx, st = prepared
         return run_step(self.model, ctx, st, self.tok_hash, keep_logits)
+
+    def run(self, batch: Batch, keep_logits: bool = False) -> StepOutput:
+        return self.execute(self.prepare(batch), keep_logits)
+
+    def close(self) -> None:
+        self.graph_runner = None
 
 
 def _no_graph_stats() -> dict[str, int]:

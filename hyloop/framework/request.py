@@ -47,6 +47,7 @@ class Request:
     slots: torch.Tensor | None = None  # KV slots for positions 0..len(slots)-1
     own_from: int = 0  # slots[own_from:] are this request's pages; before: the tree's
     num_computed: int = 0  # positions whose KV is written
+    num_sampled: int = 0  # tokens launched for sampling (ahead of output_ids under lookahead)
     num_cached: int = 0  # prompt tokens served from the cache
     lock: Any = None  # cache lock receipt
     state_slot: int = 0  # recurrent working slot (hybrid models)

@@ -16,6 +16,7 @@ Lifecycle of a request:
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -151,34 +152,65 @@ class RequestMemory:
         req.lock = new_lock
         req.own_from = max(req.own_from, r.aligned_len)
 
-    def release(self, req: Request, commit: bool) -> None:
+    def release(
+        self,
+        req: Request,
+        commit: bool,
+        defer_gen: int | None = None,
+        state_current: bool = True,
+    ) -> None:
+        """Commit (optionally) and free what the request holds.
+
+        ``defer_gen``: a launched step (that generation) may still read the request's pages,
+        row and state slot: park them as pending-free until it completes. ``state_current``:
+        the working state covers exactly the committed tokens; under lookahead it has been
+        advanced by a step already in flight, so it is never committed as a snapshot.
+        """
         assert req.slots is not None
         keep = req.own_from  # slots[:keep] belong to the tree
         state = req.state_slot if self.recurrent is not None else 0
-        if commit and req.num_computed > 0:
-            n = req.num_computed
-            snapshot = state if state and n % self.page_size == 0 else None
-            r = self.cache.insert(
-                InsertParams(
-                    key=RadixKey(req.all_ids[:n]), value=req.slots[:n], recurrent_slot=snapshot
+        deferring = (
+            self.kv.deferring(defer_gen) if defer_gen is not None else contextlib.nullcontext()
+        )
+        with deferring:
+            if commit and req.num_computed > 0:
+                n = req.num_computed
+                aligned = n % self.page_size == 0
+                snapshot = state if state and aligned and state_current and self.reuse else None
+                r = self.cache.insert(
+                    InsertParams(
+                        key=RadixKey(req.all_ids[:n]), value=req.slots[:n], recurrent_slot=snapshot
+                    )
                 )
-            )
-            if snapshot is not None and r.recurrent_taken:
-                state = 0  # handed to the tree (stored, or freed as a duplicate)
-            if snapshot is not None:
-                self._settle_state_slot(snapshot, r, release_if_kept=False)
-            keep = max(keep, r.aligned_len)
-        self.cache.dec_lock_ref(req.lock.to_dec_params())
-        req.lock = None
-        own = req.slots[keep:]
-        if own.numel():
-            self.kv.free(own)
+                if snapshot is not None and r.recurrent_taken:
+                    state = 0  # handed to the tree (stored, or freed as a duplicate)
+                if snapshot is not None:
+                    self._settle_state_slot(snapshot, r, release_if_kept=False)
+                keep = max(keep, r.aligned_len)
+            self.cache.dec_lock_ref(req.lock.to_dec_params())
+            req.lock = None
+            own = req.slots[keep:]
+            if own.numel():
+                self.kv.free(own)
         if state and self.recurrent is not None:
-            self.recurrent.release([state])
+            if defer_gen is None:
+                self.recurrent.release([state])
+            else:
+                self.recurrent.free_deferred([state], defer_gen)
         req.state_slot = 0
-        self.req_to_token.free(req.req_row)
+        if defer_gen is None:
+            self.req_to_token.free(req.req_row)
+        else:
+            self.req_to_token.free_deferred(req.req_row, defer_gen)
         req.req_row = -1
         req.slots = None
+
+    def flush_pending(self, through: int | None) -> None:
+        """Step ``through`` has completed: what waited on it becomes reusable."""
+        self.kv.flush_pending(through)
+        self.req_to_token.flush_pending(through)
+        if self.recurrent is not None:
+            self.recurrent.flush_pending(through)
 
     def _settle_state_slot(self, slot: int | None, r: Any, release_if_kept: bool = True) -> None:
         if slot is None or self.recurrent is None:
@@ -190,15 +222,23 @@ class RequestMemory:
         # taken but not stored: the tree freed it (the allocator told the pool).
 
     # -- ledger ---------------------------------------------------------------------------------
-    def check(self, running: list[Request]) -> None:
+    def check(self, running: list[Request], track_held: int = 0) -> None:
         held = sum(r.slots.numel() - r.own_from for r in running if r.slots is not None)
         self.kv.check_invariants()
         self.req_to_token.check_invariants()
+        pending = self.kv.pending_size()
         if self.recurrent is None:
-            self.cache.check_invariants(request_held_tokens=held)
+            self.cache.check_invariants(request_held_tokens=held, pending_free_tokens=pending)
             return
         active = sum(1 for r in running if r.state_slot)
-        self.cache.check_invariants(request_held_tokens=held, request_held_slots=active)
+        self.cache.check_invariants(
+            request_held_tokens=held,
+            pending_free_tokens=pending,
+            request_held_slots=active + track_held,
+            pending_free_slots=self.recurrent.pending_size(),
+        )
         self.recurrent.check_invariants(
-            tree_held=self.cache.total_size("recurrent"), active_held=active, track_held=0
+            tree_held=self.cache.total_size("recurrent"),
+            active_held=active,
+            track_held=track_held,
         )

@@ -73,7 +73,7 @@ class RecurrentPool:
             for _ in range(num_layers)
         ]
         self._role = bytearray(rows)  # SlotRole per slot; slot 0 stays FREE and is never counted
-        self._pending: list[int] = []
+        self._pending: list[tuple[int, int]] = []  # (generation, slot)
         self.allocator.free_listeners.append(self._on_allocator_free)
 
     # -- sizes ----------------------------------------------------------------------------------
@@ -147,23 +147,27 @@ class RecurrentPool:
         for s in items:
             self._role[s] = SlotRole.FREE
 
-    def free_deferred(self, slots: torch.Tensor | Sequence[int]) -> None:
-        """Release held slots once the step in flight completes (see ``flush_pending``)."""
+    def free_deferred(self, slots: torch.Tensor | Sequence[int], generation: int = 0) -> None:
+        """Release held slots once step ``generation`` (which may read them) has completed."""
         items = _as_list(slots)
         self._check_unique(items, "free_deferred")
         for s in items:
             self._check_held(s, "free_deferred")
         for s in items:
             self._role[s] = SlotRole.PENDING_FREE
-        self._pending.extend(items)
+        self._pending.extend((generation, s) for s in items)
 
-    def flush_pending(self) -> int:
-        """Free every pending slot; call after the step that might read them has completed."""
-        pending, self._pending = self._pending, []
-        self.allocator.free(pending)
-        for s in pending:
+    def flush_pending(self, through: int | None = None) -> int:
+        """Free pending slots of generations ``<= through`` (every one when None)."""
+        done = [s for g, s in self._pending if through is None or g <= through]
+        self._pending = [(g, s) for g, s in self._pending if not (through is None or g <= through)]
+        self.allocator.free(done)
+        for s in done:
             self._role[s] = SlotRole.FREE
-        return len(pending)
+        return len(done)
+
+    def pending_size(self) -> int:
+        return len(self._pending)
 
     def counts(self) -> dict[SlotRole, int]:
         """Slots per role over ``1..num_slots``."""

@@ -20,6 +20,7 @@ class ReqToTokenPool:
         self.table = torch.zeros(max_requests + 1, max_context, dtype=torch.int32, device=device)
         self.padding_row = max_requests
         self._free_rows: list[int] = list(range(max_requests - 1, -1, -1))
+        self._pending: list[tuple[int, int]] = []  # (generation, row) freed while a step reads it
 
     def available(self) -> int:
         return len(self._free_rows)
@@ -31,6 +32,18 @@ class ReqToTokenPool:
         if row in self._free_rows or not 0 <= row < self.max_requests:
             raise ValueError(f"req_to_token: bad free of row {row}")
         self._free_rows.append(row)
+
+    def free_deferred(self, row: int, generation: int) -> None:
+        if not 0 <= row < self.max_requests or row in self._free_rows:
+            raise ValueError(f"req_to_token: bad free of row {row}")
+        self._pending.append((generation, row))
+
+    def flush_pending(self, through: int | None = None) -> int:
+        done = [r for g, r in self._pending if through is None or g <= through]
+        self._pending = [(g, r) for g, r in self._pending if not (through is None or g <= through)]
+        for row in done:
+            self.free(row)
+        return len(done)
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         self.table[row, start : start + slots.numel()] = slots.to(self.table.dtype)

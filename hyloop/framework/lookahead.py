@@ -1,0 +1,195 @@
+"""Async lookahead: launch decode step N+1 before resolving step N.
+
+While step N+1 runs, a lookahead thread resolves step N: it copies the step's outputs out of the
+reused buffers, appends tokens, runs stop checks, commits track snapshots and finished sequences
+to the UHRC, releases what finished requests held and builds outputs.
+
+Ownership, in code:
+- Hand-off: the scheduler thread plans and prepares step N+1 (admission, track slots, inputs)
+  while the lookahead thread is idle; only then is ``resolve(N)`` submitted, and the scheduler
+  thread joins it before planning again. The tree and the pools are thus mutated by one thread
+  at a time. NOTE: ``commit`` may rewrite a running request's req->token row while step N+1
+  reads it; both the old and the new page of such a position hold the same KV, and the old page
+  stays pending-free until N+1 completes, so either read is correct.
+- Deferred frees: anything freed while step G is in flight (pages, table rows, state slots, the
+  pages the tree drops as duplicates) is parked under generation G and becomes reusable only
+  when step G is known complete (``flush_pending(G)`` at the start of ``resolve(G)``).
+- One step late: a request that finished at step N rode along in step N+1; that token is
+  discarded, never returned, never inserted into the tree. Its recurrent state was advanced by
+  N+1, so it is never committed as a snapshot (track slots published at boundaries are).
+- Outputs of a step are owned copies (the bucket runner clones them; on CUDA they are copied to
+  pinned host memory behind an event), so a later replay cannot overwrite them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from hyloop.framework.batch import Batch, Chunk
+from hyloop.framework.request import RequestOutput, Status
+
+if TYPE_CHECKING:
+    from hyloop.framework.engine import Engine
+
+
+@dataclass
+class Inflight:
+    gen: int
+    batch: Batch
+    result: Any  # StepOutput with owned tensors
+    host_ids: torch.Tensor  # next ids on the host (pinned on CUDA)
+    event: Any  # torch.cuda.Event on CUDA, else None
+    reads: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # (slots, upto)
+
+
+class Lookahead:
+    def __init__(self, engine: Engine, min_batch: int) -> None:
+        self.engine = engine
+        self.min_batch = min_batch
+        self.inflight: Inflight | None = None
+        self._gen = 0
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hyloop-lookahead")
+        self.hidden_host_s = 0.0  # resolve time overlapped with a running step
+        self.exposed_wait_s = 0.0  # time the scheduler thread waited for a resolve
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    @property
+    def defer_gen(self) -> int | None:
+        """Generation frees must wait for (the step in flight), or None."""
+        return self.inflight.gen if self.inflight is not None else None
+
+    # -- the loop -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        eng = self.engine
+        outputs = eng.take_pending_outputs()
+        prev = self.inflight
+        if prev is None:
+            batch = eng.scheduler.next_batch()
+            if batch is None:
+                eng.check_idle()
+                return outputs
+            if not batch.is_decode or batch.size < self.min_batch:
+                return outputs + eng.run_sync(batch)
+            self.inflight = self._launch(batch)
+            return outputs
+        nxt = self._continuation(prev)
+        if nxt is None:  # drain: resolve the last step with nothing else in flight
+            self.inflight = None
+            outputs += self._resolve(prev, defer_gen=None)
+            return outputs + eng.take_pending_outputs()
+        t0 = time.perf_counter()
+        gen = self._next_gen()
+        prepared = eng.prepare_decode(nxt)  # host work for N+1 while the thread is idle
+        future: Future[list[RequestOutput]] = self._pool.submit(self._resolve, prev, gen)
+        self.inflight = self._execute(nxt, prepared, gen, t0)
+        t_wait = time.perf_counter()
+        outputs += future.result()
+        self.exposed_wait_s += time.perf_counter() - t_wait
+        return outputs + eng.take_pending_outputs()
+
+    def _next_gen(self) -> int:
+        self._gen += 1
+        return self._gen
+
+    def _continuation(self, prev: Inflight) -> Batch | None:
+        """Step N+1 over the requests of step N still alive, or None to drain."""
+        eng = self.engine
+        sched = eng.scheduler
+        if sched.waiting and len(sched.running) < sched.max_running:
+            return None  # admissions need a prefill step: drain first
+        in_prev = {id(c.req) for c in prev.batch.chunks}
+        if any(id(r) not in in_prev for r in sched.running):
+            return None
+        rows: list[int] = []
+        chunks: list[Chunk] = []
+        for i, c in enumerate(prev.batch.chunks):
+            req = c.req
+            if req.status is not Status.RUNNING or req.num_sampled >= req.max_new:
+                continue  # finished (known), or step N sampled its last token
+            rows.append(i)
+            start = len(req.prompt_ids) + req.num_sampled - 1
+            chunks.append(Chunk(req, start, 1, out_pos=req.num_sampled))
+        if len(chunks) < self.min_batch:
+            return None
+        index = torch.tensor(rows, dtype=torch.int64, device=prev.result.next_ids.device)
+        ids = prev.result.next_ids.index_select(0, index)  # on device: no host round trip
+        return Batch(chunks, is_decode=True, input_ids=ids)
+
+    def _launch(self, batch: Batch) -> Inflight:
+        t0 = time.perf_counter()
+        gen = self._next_gen()
+        prepared = self.engine.prepare_decode(batch)
+        return self._execute(batch, prepared, gen, t0)
+
+    def _execute(self, batch: Batch, prepared: Any, gen: int, t0: float) -> Inflight:
+        eng = self.engine
+        reads = [(c.req.slots, c.start + 1) for c in batch.chunks]
+        t_exec = time.perf_counter()
+        result = eng.runner.execute(prepared, keep_logits=eng.capture_logits)
+        host_ids, event = _host_copy(result.next_ids)
+        dt_exec = time.perf_counter() - t_exec
+        eng.account(batch, time.perf_counter() - t0, dt_exec)
+        return Inflight(gen, batch, result, host_ids, event, reads)
+
+    # -- resolve (lookahead thread, or the scheduler thread when draining) -----------------------
+    def _resolve(self, prev: Inflight, defer_gen: int | None) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        eng = self.engine
+        if prev.event is not None:
+            prev.event.synchronize()
+        # Step ``prev`` has completed: what waited on it is reusable.
+        eng.memory.flush_pending(prev.gen if defer_gen is not None else None)
+        deferring = (
+            eng.kv_alloc.deferring(defer_gen) if defer_gen is not None else contextlib.nullcontext()
+        )
+        with deferring:
+            next_ids = prev.host_ids.tolist()
+            eng.commit_progress(prev.batch)
+            outs = eng.process(prev.batch, prev.result, next_ids, defer_gen)
+        if defer_gen is not None:
+            self.hidden_host_s += time.perf_counter() - t0
+        return outs
+
+    # -- checks ---------------------------------------------------------------------------------
+    def check_inflight(self) -> None:
+        """No page or state slot a launched step reads may be on a free list."""
+        prev = self.inflight
+        if prev is None:
+            return
+        alloc = self.engine.kv_alloc
+        for slots, upto in prev.reads:
+            pages = (slots[:upto] // alloc.page_size).numpy()
+            free = alloc.is_free_page(pages)
+            if free.any():
+                page = int(pages[np.argmax(free)])
+                raise AssertionError(
+                    f"page {page} is free while launched step {prev.gen} still reads it"
+                )
+        pool = self.engine.memory.recurrent
+        if pool is not None:
+            from hyloop.pools import SlotRole
+
+            for c in prev.batch.chunks:
+                if c.req.state_slot and pool.role_of(c.req.state_slot) is SlotRole.FREE:
+                    raise AssertionError(
+                        f"state slot {c.req.state_slot} is free while step {prev.gen} uses it"
+                    )
+
+
+def _host_copy(next_ids: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    if next_ids.device.type != "cuda":
+        return next_ids, None
+    host = torch.empty(next_ids.shape, dtype=next_ids.dtype, pin_memory=True)
+    host.copy_(next_ids, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
