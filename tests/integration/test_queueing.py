@@ -64,8 +64,16 @@ def reference(tiny_ckpts: dict[str, Path], cache_enable: bool) -> list[list[int]
     return [o.token_ids for o in outs]
 
 
-@pytest.fixture(scope="module")
-def queued_run(tiny_ckpts: dict[str, Path], cache_enable: bool) -> dict[str, Any]:
+# Every 7th request is aborted at some step: while waiting, prefilling or decoding.
+ABORTS = {
+    step: [f"q{i}"]
+    for i, step in zip(range(0, NUM_REQUESTS, 7), (0, 3, 9, 17, 30, 50), strict=True)
+}
+
+
+def run_small_pool(
+    ckpt: Path, cache_enable: bool, aborts: dict[int, list[str]] | None = None
+) -> dict[str, Any]:
     """Run the workload through a small pool, stepping by hand and checking after each step."""
     overrides = [
         *COMMON,
@@ -73,16 +81,26 @@ def queued_run(tiny_ckpts: dict[str, Path], cache_enable: bool) -> dict[str, Any
         f"scheduler.max_running_requests={MAX_RUNNING}",
         f"cache.enable={str(cache_enable).lower()}",
     ]
-    llm = LLM(model=tiny_ckpts["llama"], overrides=overrides)
+    llm = LLM(model=ckpt, overrides=overrides)
     try:
-        return _run(llm)
+        return _run(llm, aborts or {})
     except Exception as e:  # reported by every test of this configuration, not as a setup error
         return {"error": e}
     finally:
         llm.close()
 
 
-def _run(llm: LLM) -> dict[str, Any]:
+@pytest.fixture(scope="module")
+def queued_run(tiny_ckpts: dict[str, Path], cache_enable: bool) -> dict[str, Any]:
+    return run_small_pool(tiny_ckpts["llama"], cache_enable)
+
+
+@pytest.fixture(scope="module")
+def aborted_run(tiny_ckpts: dict[str, Path], cache_enable: bool) -> dict[str, Any]:
+    return run_small_pool(tiny_ckpts["llama"], cache_enable, ABORTS)
+
+
+def _run(llm: LLM, aborts: dict[int, list[str]]) -> dict[str, Any]:
     eng = llm.engine
     for i, (prompt, sp) in enumerate(workload()):
         eng.add_request(f"q{i}", prompt, sp)
@@ -91,6 +109,8 @@ def _run(llm: LLM) -> dict[str, Any]:
     unfinished_flags: list[tuple[bool, int]] = []
     steps = 0
     while eng.has_unfinished_requests():
+        for rid in aborts.get(steps, []):
+            eng.abort_request(rid)
         outs = eng.step()
         steps += 1
         eng.check_invariants()
@@ -150,3 +170,21 @@ def test_every_page_is_free_or_in_the_tree_at_the_end(
 def test_unfinished_until_the_last_output_is_returned(queued_run: dict[str, Any]) -> None:
     for still_unfinished, returned in ran(queued_run)["unfinished_flags"]:
         assert still_unfinished == (returned < NUM_REQUESTS)
+
+
+def test_aborts_under_pressure_harm_no_other_request(
+    aborted_run: dict[str, Any], reference: list[list[int]]
+) -> None:
+    done = ran(aborted_run)["done"]
+    assert len(done) == NUM_REQUESTS
+    aborted = {rid for rids in ABORTS.values() for rid in rids}
+    for i in range(NUM_REQUESTS):
+        out = done[f"q{i}"]
+        if out.finish_reason == "abort":
+            assert out.request_id in aborted
+            assert out.token_ids == reference[i][: len(out.token_ids)]
+        else:
+            assert out.token_ids == reference[i], f"request q{i}"
+    assert sum(o.finish_reason == "abort" for o in done.values()) >= 3
+    stats = aborted_run["stats"]
+    assert stats["kv_free_tokens"] + stats["cache_evictable_tokens"] == stats["kv_capacity_tokens"]
