@@ -24,7 +24,8 @@ def render_summary(llm: Any) -> str:
         f"lookahead      {'on' if cfg.lookahead.enable else 'off'} "
         f"(min_batch {cfg.lookahead.min_batch})",
         f"scheduler      max_running {cfg.scheduler.max_running_requests}    "
-        f"prefill_chunk {cfg.scheduler.prefill_chunk}    budget {cfg.scheduler.prefill_token_budget}",
+        f"prefill_chunk {cfg.scheduler.prefill_chunk}    "
+        f"budget {cfg.scheduler.prefill_token_budget}",
         f"requests       finished {s['requests_finished']}    aborted {s['requests_aborted']}",
         f"prefill        {s['prefill_tokens_computed']} tokens in {s['prefill_steps']} steps"
         + (f"    {s['prefill_tokens_computed'] / pt:.0f} tok/s" if pt else ""),
