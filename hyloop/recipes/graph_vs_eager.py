@@ -1,0 +1,343 @@
+"""Graph-vs-eager regression: does the captured decode step compute exactly what eager computes?
+
+``hyloop regress --config configs/recipes/graph_vs_eager.yaml [key=value ...]`` builds two engines
+from one config: the captured one as configured (``graphs.backend``, ``auto`` in the recipe
+preset) and the oracle with ``graphs.backend=eager``. Both run the same waves of requests: for
+every batch size N (by default one below, on and one above every bucket edge) and every sampling
+mode (greedy, then each seed of ``regress.seeds``), N requests with seeded random token-id
+prompts are added at once and stepped until done, so the decode batch really is N. Per bucket it
+reports requests, the exact-match rate, the largest |logit diff| before the first divergence,
+that first divergence (request, position), replays and fallbacks.
+
+Exit 0 when every token matches and the captured engine replayed its artifacts; 1 on any
+mismatch, on a silent fallback to eager (``eager_fallbacks > 0`` or ``graph_replays == 0``) or a
+recompile; bad input raises ``ValueError`` (the CLI exits 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from hyloop.framework.config import ConfigError, EngineConfig, _load_yaml, validate_config
+from hyloop.framework.llm import LLM
+from hyloop.framework.model_runner import resolve_backend
+from hyloop.framework.sampling_params import SamplingParams
+from hyloop.graphs.buckets import pick_bucket
+
+Perturb = Callable[[LLM], None]
+COUNTERS = ("graph_replays", "eager_fallbacks", "recompiles")
+
+
+class RegressSettings(BaseModel):
+    """The ``regress:`` section of the recipe YAML (stripped before the engine config is read)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    checkpoint: str | None = Field(
+        None, description="model under test; --model wins; null: default"
+    )
+    batch_sizes: list[int] | None = Field(None, description="waves; null: b-1, b, b+1 per bucket")
+    prompt_len: tuple[int, int] = Field((4, 32), description="prompt lengths, inclusive range")
+    max_tokens: int = Field(8, ge=2, description="tokens per request (>= 2: one decode step)")
+    greedy: bool = Field(True, description="run a greedy wave per batch size")
+    seeds: list[int] = Field(default_factory=lambda: [0], description="seeded sampling waves")
+    temperature: float = Field(0.8, gt=0.0, description="temperature of the seeded waves")
+    prompt_seed: int = Field(0, description="seed of the prompt generator")
+    logit_atol: float | None = Field(None, ge=0.0, description="fail above this |logit diff|")
+
+    @model_validator(mode="after")
+    def _check(self) -> RegressSettings:
+        lo, hi = self.prompt_len
+        if not 1 <= lo <= hi:
+            raise ValueError(f"prompt_len must be [min, max] with 1 <= min <= max, got {[lo, hi]}")
+        if self.batch_sizes is not None and (
+            not self.batch_sizes or any(n < 1 for n in self.batch_sizes)
+        ):
+            raise ValueError(f"batch_sizes must be null or ints >= 1, got {self.batch_sizes}")
+        if not self.greedy and not self.seeds:
+            raise ValueError("nothing to run: greedy is false and seeds is empty")
+        return self
+
+
+def load_recipe(
+    files: list[str | Path], overrides: list[str] | None = None
+) -> tuple[EngineConfig, RegressSettings]:
+    """Merge the YAML files and ``key=value`` overrides; split off and validate ``regress:``."""
+    cfg = OmegaConf.create()
+    for f in files:
+        # NOTE: the engine's own YAML composition (``defaults:`` parents), so presets compose
+        # the same way for ``generate`` and ``regress``.
+        cfg = OmegaConf.merge(cfg, _load_yaml(Path(f)))
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value")
+    try:
+        if overrides:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+        data: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"config: {e}") from e
+    section = data.pop("regress", None) or {}
+    try:
+        settings = RegressSettings.model_validate(section)
+    except ValidationError as e:
+        msgs = [
+            f"regress.{'.'.join(str(p) for p in err['loc']) or '<section>'}: "
+            f"got {err.get('input')!r}; {err['msg']}"
+            for err in e.errors()
+        ]
+        raise ConfigError("invalid regress section:\n  " + "\n  ".join(msgs)) from None
+    return validate_config(data), settings
+
+
+def batch_sizes(settings: RegressSettings, buckets: list[int]) -> list[int]:
+    """The wave sizes: explicit, or below, on and above every bucket edge."""
+    if settings.batch_sizes is not None:
+        return sorted(set(settings.batch_sizes))
+    return sorted({n for b in buckets for n in (b - 1, b, b + 1) if n >= 1})
+
+
+def make_prompts(seed: int, n: int, lengths: tuple[int, int], vocab: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(*lengths))] for _ in range(n)]
+
+
+def run_wave(
+    llm: LLM, tag: str, prompts: list[list[int]], params: list[SamplingParams]
+) -> tuple[list[list[int]], list[list[torch.Tensor]], dict[str, int]]:
+    """Add every request at once, step until done; tokens, per-token logits, counter deltas."""
+    engine = llm.engine
+    before = engine.stats()
+    reqs = []
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"{tag}-{i}", prompt, p)
+        reqs.append(engine.request(f"{tag}-{i}"))  # stays valid after it finishes
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    after = engine.stats()
+    delta = {k: after[k] - before[k] for k in (*COUNTERS, "decode_steps", "decode_tokens")}
+    tokens = [done[r.request_id] for r in reqs]  # type: ignore[union-attr]
+    logits = [list(r.logits or [])[: len(t)] for r, t in zip(reqs, tokens, strict=True)]  # type: ignore[union-attr]
+    return tokens, logits, delta
+
+
+def compare(
+    ids: list[str],
+    ref: tuple[list[list[int]], list[list[torch.Tensor]]],
+    got: tuple[list[list[int]], list[list[torch.Tensor]]],
+) -> dict[str, Any]:
+    """Exact tokens per request; logits compared up to and including the first divergence
+    (past it the two runs decode different contexts)."""
+    exact, max_diff, first = 0, 0.0, None
+    for rid, t_ref, t_got, l_ref, l_got in zip(ids, ref[0], got[0], ref[1], got[1], strict=True):
+        pos = next((i for i, (a, b) in enumerate(zip(t_ref, t_got, strict=False)) if a != b), None)
+        if pos is None and len(t_ref) != len(t_got):
+            pos = min(len(t_ref), len(t_got))
+        exact += pos is None
+        upto = len(t_ref) if pos is None else pos + 1
+        for a, b in list(zip(l_ref, l_got, strict=False))[:upto]:
+            max_diff = max(max_diff, float((a.float() - b.float()).abs().max()))
+        if pos is not None and (first is None or pos < first["position"]):
+            ea = t_ref[pos] if pos < len(t_ref) else None
+            ca = t_got[pos] if pos < len(t_got) else None
+            first = {"request": rid, "position": pos, "eager": ea, "captured": ca}
+    return {"requests": len(ids), "exact": exact, "max_logit_diff": max_diff, "first": first}
+
+
+def _modes(settings: RegressSettings) -> list[tuple[str, float, int | None]]:
+    greedy = [("greedy", 0.0, None)] if settings.greedy else []
+    return greedy + [(f"seed={s}", settings.temperature, s) for s in settings.seeds]
+
+
+def _run_all(
+    llm: LLM, settings: RegressSettings, sizes: list[int]
+) -> list[tuple[list[str], Any, dict[str, int]]]:
+    llm.engine.capture_logits = True
+    runs = []
+    for m, (mode, temp, seed) in enumerate(_modes(settings)):
+        for n in sizes:
+            prompts = make_prompts(
+                settings.prompt_seed * 1_000_003 + n * 101 + m,
+                n,
+                settings.prompt_len,
+                llm.engine.vocab_size,
+            )
+            # ignore_eos keeps every request alive to max_tokens, so the decode batch stays N.
+            params = [
+                SamplingParams(
+                    temperature=temp,
+                    max_tokens=settings.max_tokens,
+                    seed=None if seed is None else seed * 100_003 + i,
+                    ignore_eos=True,
+                )
+                for i in range(n)
+            ]
+            tag = f"{mode}-b{n}"
+            tokens, logits, delta = run_wave(llm, tag, prompts, params)
+            runs.append(([f"{tag}-{i}" for i in range(n)], (tokens, logits), delta))
+    return runs
+
+
+def regress(
+    cfg: EngineConfig,
+    settings: RegressSettings,
+    model: str | Path,
+    perturb: Perturb | None = None,
+) -> dict[str, Any]:
+    """Run the eager oracle and the captured engine over the same waves; the report as a dict.
+
+    ``perturb`` is applied to the captured ``LLM`` right after it is built (a test hook to prove
+    the recipe catches a wrong captured step).
+    """
+    backend = resolve_backend(cfg.graphs.backend, torch.device(cfg.device))
+    if backend == "eager":
+        raise ValueError(
+            "graphs.backend: got 'eager'; the captured run needs auto, compile or cuda_graph"
+        )
+    with LLM(model=model, config=cfg, overrides=["graphs.backend=eager"]) as oracle:
+        max_running = oracle.engine.scheduler.max_running
+        buckets = [b for b in cfg.graphs.buckets if b <= max_running] or [max_running]
+        sizes = batch_sizes(settings, buckets)
+        if sizes[-1] > max_running:
+            raise ValueError(
+                f"regress.batch_sizes: wave of {sizes[-1]} requests exceeds "
+                f"scheduler.max_running_requests={max_running}; the decode batch could not be N"
+            )
+        ref = _run_all(oracle, settings, sizes)
+    with LLM(model=model, config=cfg) as captured:
+        if perturb is not None:
+            perturb(captured)
+        got = _run_all(captured, settings, sizes)
+        graph_report = captured.engine.runner.graph_report()
+        runner_buckets = list(captured.engine.runner.graph_runner.buckets)  # type: ignore[union-attr]
+    waves = []
+    for (ids, ref_out, _), (_, got_out, delta) in zip(ref, got, strict=True):
+        n = len(ids)
+        b = pick_bucket(runner_buckets, n)
+        wave = {
+            "batch": n,
+            "mode": ids[0].rsplit("-b", 1)[0],
+            "bucket": str(b) if b is not None else f">{runner_buckets[-1]}",
+            **compare(ids, ref_out, got_out),
+            **{k: delta[k] for k in COUNTERS},
+            "decode_batch": delta["decode_tokens"] / max(1, delta["decode_steps"]),
+        }
+        waves.append(wave)
+    report: dict[str, Any] = {
+        "model": str(model),
+        "backend": backend,
+        "device": cfg.device,
+        "dtype": cfg.dtype,
+        "page_size": cfg.kv_pool.page_size,
+        "buckets": runner_buckets,
+        "batch_sizes": sizes,
+        "modes": [m for m, _, _ in _modes(settings)],
+        "max_tokens": settings.max_tokens,
+        "waves": waves,
+        "per_bucket": _per_bucket(waves),
+        "graph_report": graph_report,
+    }
+    report["failures"] = _failures(waves, settings)
+    report["passed"] = not report["failures"]
+    return report
+
+
+def _per_bucket(waves: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows: dict[str, dict[str, Any]] = {}
+    for w in waves:
+        row = rows.setdefault(
+            w["bucket"],
+            {"bucket": w["bucket"], "batch_sizes": [], "requests": 0, "exact": 0,
+             "max_logit_diff": 0.0, "first_divergence": None,
+             **dict.fromkeys(COUNTERS, 0)},
+        )  # fmt: skip
+        if w["batch"] not in row["batch_sizes"]:
+            row["batch_sizes"].append(w["batch"])
+        row["requests"] += w["requests"]
+        row["exact"] += w["exact"]
+        row["max_logit_diff"] = max(row["max_logit_diff"], w["max_logit_diff"])
+        for k in COUNTERS:
+            row[k] += w[k]
+        first, seen = w["first"], row["first_divergence"]
+        if first is not None and (seen is None or first["position"] < seen["position"]):
+            row["first_divergence"] = first
+    for row in rows.values():
+        row["exact_match_rate"] = row["exact"] / row["requests"]
+    return list(rows.values())
+
+
+def _failures(waves: list[dict[str, Any]], settings: RegressSettings) -> list[str]:
+    out = []
+    for w in waves:
+        where = f"bucket {w['bucket']}, batch {w['batch']}, {w['mode']}"
+        if w["first"] is not None:
+            f = w["first"]
+            out.append(
+                f"{where}: {w['requests'] - w['exact']}/{w['requests']} requests differ; first "
+                f"at {f['request']} position {f['position']} (eager {f['eager']}, "
+                f"captured {f['captured']})"
+            )
+        if settings.logit_atol is not None and w["max_logit_diff"] > settings.logit_atol:
+            out.append(
+                f"{where}: max |logit diff| {w['max_logit_diff']:.3g} > {settings.logit_atol}"
+            )
+        if w["decode_batch"] != w["batch"]:
+            out.append(f"{where}: decode batch was {w['decode_batch']:.2f}, not {w['batch']}")
+    totals = {k: sum(w[k] for w in waves) for k in COUNTERS}
+    if totals["eager_fallbacks"]:
+        out.append(f"captured engine fell back to eager {totals['eager_fallbacks']} times")
+    if not totals["graph_replays"]:
+        out.append("captured engine replayed no captured artifact (graph_replays == 0)")
+    if totals["recompiles"]:
+        out.append(f"captured engine recompiled {totals['recompiles']} times after warm-up")
+    return out
+
+
+def render_report(report: dict[str, Any]) -> str:
+    head = (
+        f"graph vs eager: {report['model']}\n"
+        f"backend {report['backend']} on {report['device']}/{report['dtype']}    page_size "
+        f"{report['page_size']}    buckets {report['buckets']}    modes {report['modes']}"
+    )
+    cols = f"{'bucket':>7} {'batches':>9} {'reqs':>5} {'exact':>7} {'max|dlogit|':>11} "
+    cols += f"{'replays':>8} {'fallbacks':>9}  first divergence"
+    lines = [head, cols]
+    for r in report["per_bucket"]:
+        f = r["first_divergence"]
+        div = "-" if f is None else f"{f['request']} @ {f['position']}"
+        lines.append(
+            f"{r['bucket']:>7} {','.join(map(str, r['batch_sizes'])):>9} {r['requests']:>5} "
+            f"{100 * r['exact_match_rate']:>6.1f}% {r['max_logit_diff']:>11.2e} "
+            f"{r['graph_replays']:>8} {r['eager_fallbacks']:>9}  {div}"
+        )
+    verdict = "PASS" if report["passed"] else "FAIL\n  " + "\n  ".join(report["failures"])
+    return "\n".join([*lines, verdict])
+
+
+def run_regress(args: argparse.Namespace, perturb: Perturb | None = None) -> int:
+    """The ``hyloop regress`` command: 0 pass, 1 mismatch or silent fallback."""
+    files = list(args.config) or [Path(__file__).parents[2] / "configs/recipes/graph_vs_eager.yaml"]
+    cfg, settings = load_recipe(files, args.overrides)
+    model = args.model or settings.checkpoint or cfg.model.path
+    if model is None:
+        from hyloop.recipes.offline import default_checkpoint
+
+        model = default_checkpoint()
+    report = regress(cfg, settings, model, perturb)
+    print(render_report(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
+    return 0 if report["passed"] else 1
