@@ -32,6 +32,7 @@ class SamplingTensors:
     out_pos: torch.Tensor  # [B] int64 index of the token being sampled in the output
     filtered: bool  # static: some row restricts top-k / top-p
     num_logprobs: int  # static: top-k logprobs to return (0 = none)
+    greedy_only: bool = False  # static: every row is greedy (eager path only)
 
 
 @dataclass
@@ -60,7 +61,15 @@ def run_step(
     last = hidden[rows, ctx.last_index]
     logits = model.compute_logits(last)
     next_ids = sample(
-        logits, st.temperature, st.top_k, st.top_p, st.seeds, st.out_pos, tok_hash, st.filtered
+        logits,
+        st.temperature,
+        st.top_k,
+        st.top_p,
+        st.seeds,
+        st.out_pos,
+        tok_hash,
+        st.filtered,
+        st.greedy_only,
     )
     top_lp = top_ids = chosen = None
     if st.num_logprobs > 0:
@@ -190,6 +199,7 @@ class ModelRunner:
             out_pos=torch.tensor(outpos, dtype=torch.int64, device=dev),
             filtered=filtered,
             num_logprobs=min(nlp, self.vocab_size),
+            greedy_only=all(t == 0 for t in temps),
         )
 
     def graph_stats(self) -> dict[str, int]:

@@ -52,14 +52,18 @@ def sample(
     out_pos: torch.Tensor,
     tok_hash: torch.Tensor,
     filtered: bool,
+    greedy_only: bool = False,
 ) -> torch.Tensor:
     """Next token ids ``[B]`` (int64) from fp32 ``logits [B, V]``.
 
     ``top_k`` is the number of tokens kept (``V`` to disable), ``top_p`` the nucleus mass (1.0 to
     disable). ``filtered`` is static per captured artifact: False skips the sort when no row in
-    the batch restricts top-k / top-p.
+    the batch restricts top-k / top-p. ``greedy_only`` (static) skips the noise when every row
+    is greedy; the result is the same argmax either way.
     """
     greedy = logits.argmax(dim=-1)
+    if greedy_only:
+        return greedy
     temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     scaled = logits / temp[:, None]
     noise = gumbel_noise(seeds, out_pos, tok_hash)
