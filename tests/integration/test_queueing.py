@@ -3,7 +3,8 @@
 Forty requests of varied prompt and output lengths (some sharing prefixes, so the cache has
 something to reuse and evict) run through a pool that holds only a few of them at once. After
 every ``step()`` the pool/tree ledger is checked; at the end every KV page is free or owned by the
-cache tree, and every request's tokens equal those of the same request run with a large pool.
+cache tree, and every request's tokens equal those of the same request run with a large pool
+by the plain loop (the oracle), with the cache on and off, with and without lookahead.
 """
 
 from __future__ import annotations
@@ -55,6 +56,11 @@ def cache_enable(request: pytest.FixtureRequest) -> bool:
     return bool(request.param)
 
 
+@pytest.fixture(scope="module", params=[False, True], ids=["plain-loop", "lookahead"])
+def lookahead(request: pytest.FixtureRequest) -> bool:
+    return bool(request.param)
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_ckpts: dict[str, Path], cache_enable: bool) -> list[list[int]]:
     overrides = [*COMMON, "kv_pool.num_pages=2048", f"cache.enable={str(cache_enable).lower()}"]
@@ -72,7 +78,7 @@ ABORTS = {
 
 
 def run_small_pool(
-    ckpt: Path, cache_enable: bool, aborts: dict[int, list[str]] | None = None
+    ckpt: Path, cache_enable: bool, lookahead: bool, aborts: dict[int, list[str]] | None = None
 ) -> dict[str, Any]:
     """Run the workload through a small pool, stepping by hand and checking after each step."""
     overrides = [
@@ -80,6 +86,7 @@ def run_small_pool(
         f"kv_pool.num_pages={SMALL_POOL}",
         f"scheduler.max_running_requests={MAX_RUNNING}",
         f"cache.enable={str(cache_enable).lower()}",
+        f"lookahead.enable={str(lookahead).lower()}",
     ]
     llm = LLM(model=ckpt, overrides=overrides)
     try:
@@ -91,13 +98,13 @@ def run_small_pool(
 
 
 @pytest.fixture(scope="module")
-def queued_run(tiny_ckpts: dict[str, Path], cache_enable: bool) -> dict[str, Any]:
-    return run_small_pool(tiny_ckpts["llama"], cache_enable)
+def queued_run(tiny_ckpts: dict[str, Path], cache_enable: bool, lookahead: bool) -> dict[str, Any]:
+    return run_small_pool(tiny_ckpts["llama"], cache_enable, lookahead)
 
 
 @pytest.fixture(scope="module")
-def aborted_run(tiny_ckpts: dict[str, Path], cache_enable: bool) -> dict[str, Any]:
-    return run_small_pool(tiny_ckpts["llama"], cache_enable, ABORTS)
+def aborted_run(tiny_ckpts: dict[str, Path], cache_enable: bool, lookahead: bool) -> dict[str, Any]:
+    return run_small_pool(tiny_ckpts["llama"], cache_enable, lookahead, ABORTS)
 
 
 def _run(llm: LLM, aborts: dict[int, list[str]]) -> dict[str, Any]:
