@@ -195,3 +195,33 @@ def test_aborts_under_pressure_harm_no_other_request(
     assert sum(o.finish_reason == "abort" for o in done.values()) >= 3
     stats = aborted_run["stats"]
     assert stats["kv_free_tokens"] + stats["cache_evictable_tokens"] == stats["kv_capacity_tokens"]
+
+
+@ADMIT_BUG
+def test_admission_never_evicts_its_own_prefix_hit(tiny_ckpts: dict[str, Path]) -> None:
+    # 16 usable pages of 4. The tree holds an unlocked 32-token prefix (8 pages), a running
+    # request holds 4 pages, and a request extending the prefix needs 8 more: the only thing
+    # eviction could take is that request's own hit. It must wait instead, then run.
+    overrides = [
+        "kv_pool.page_size=4",
+        "kv_pool.num_pages=17",
+        "model.max_context=128",
+        "lookahead.enable=false",
+    ]
+    prefix = list(range(100, 132))
+    with LLM(model=tiny_ckpts["llama"], overrides=overrides) as llm:
+        eng = llm.engine
+        llm.generate([prefix], SamplingParams(max_tokens=1), use_tqdm=False)
+        assert llm.stats()["cache_evictable_tokens"] == 32
+        eng.add_request("running", [7] * 8, SamplingParams(max_tokens=8, ignore_eos=True))
+        eng.step()
+        long = SamplingParams(max_tokens=31, ignore_eos=True)
+        eng.add_request("extends", [*prefix, 5], long)
+        done = {}
+        while eng.has_unfinished_requests():
+            done.update({o.request_id: o for o in eng.step() if o.finished})
+            eng.check_invariants()
+        assert done["extends"].num_cached_tokens == 32
+    with LLM(model=tiny_ckpts["llama"], overrides=[*overrides, "cache.enable=false"]) as ref:
+        want = ref.generate([[*prefix, 5]], long, use_tqdm=False)[0].token_ids
+    assert done["extends"].token_ids == want
