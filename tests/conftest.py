@@ -146,3 +146,48 @@ def hybrid_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {
         name: build_hf_checkpoint(root / name, cfg, seed=3) for name, cfg in TINY_HYBRID.items()
     }
+
+
+TINY_ROW: dict[str, Any] = dict(
+    architectures=["HyloopRowLM"],
+    model_type="hyloop_row",
+    channel_vocab_sizes=[64, 32, 32, 32],
+    end_id=2,
+    eos_token_id=2,
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+)
+
+
+def build_row_checkpoint(path: Path, config: dict[str, Any] = TINY_ROW, seed: int = 0) -> Path:
+    """A random multi-channel row model in hyloop's own layout (no HF class exists for it)."""
+    from safetensors.torch import save_file
+
+    from hyloop.models.arch.row_lm import RowCausalLM
+
+    torch.manual_seed(seed)
+    model = RowCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.1)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()}, path / "model.safetensors"
+    )
+    return path
+
+
+@pytest.fixture(scope="session")
+def row_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_row_checkpoint(tmp_path_factory.mktemp("row_ckpt") / "row")

@@ -72,6 +72,7 @@ def build_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
     )
     max_running = cfg.scheduler.max_running_requests
     req_to_token = ReqToTokenPool(max_running, max_context, device)
+    vocab_size = int(getattr(model, "max_vocab", spec.vocab_size))
     recurrent, track_interval = None, None
     if getattr(model, "num_recurrent_layers", 0):
         slots = cfg.recurrent_pool.num_slots or max(4 * max_running, 16)
@@ -84,9 +85,7 @@ def build_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
                 f"{page_size}; set recurrent_pool.track_interval"
             )
     cache = build_cache(cfg, kv, recurrent)
-    runner = ModelRunner(
-        model, kv, req_to_token, spec.vocab_size, device, recurrent, graphs=cfg.graphs
-    )
+    runner = ModelRunner(model, kv, req_to_token, vocab_size, device, recurrent, graphs=cfg.graphs)
     derived = {
         "max_context": max_context,
         "kv_pages": num_pages,
@@ -111,7 +110,7 @@ def build_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         track_interval=track_interval,
         tokenizer=loaded.tokenizer,
         eos_token_ids=loaded.eos_token_ids,
-        vocab_size=spec.vocab_size,
+        vocab_size=vocab_size,
         max_context=max_context,
         weight_bytes=loaded.weight_bytes,
         derived=derived,

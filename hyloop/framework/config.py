@@ -68,6 +68,9 @@ class GraphsSection(_Section):
     compile_in_graph: bool = Field(
         False, description="cuda_graph: capture around the torch.compile'd step"
     )
+    compile_options: dict[str, Any] = Field(
+        default_factory=dict, description="inductor options for compiled steps, e.g. freezing"
+    )
 
     @model_validator(mode="after")
     def _check_buckets(self) -> GraphsSection:

@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from hyloop.framework.batch import Batch
 from hyloop.framework.lookahead import Lookahead
 from hyloop.framework.request import Request, RequestOutput, Status
@@ -54,6 +56,8 @@ class Engine:
         self.max_context: int = parts.max_context
         self.eos_ids: frozenset[int] = frozenset(parts.eos_token_ids)
         self.page_size = self.kv_alloc.page_size
+        model = parts.model
+        self.num_channels: int = model.num_channels if getattr(model, "is_row_model", 0) else 0
         self.stats_ = EngineStats()
         self.capture_logits = False  # debug: keep the logits of every sampled token
         self.stream_text = False  # decode text for unfinished outputs too (costs host time)
@@ -84,7 +88,11 @@ class Engine:
             raise ValueError(f"request {request_id!r}: id already in use")
         params = sampling_params or self.default_params()
         params.validate(f"request {request_id!r} sampling_params")
-        ids = self._prompt_ids(request_id, prompt)
+        rows = None
+        if self.num_channels:
+            rows, ids = self._prompt_rows(request_id, prompt, params)
+        else:
+            ids = self._prompt_ids(request_id, prompt)
         max_new = min(params.max_tokens, self.max_context - len(ids))
         need_pages = self.kv_alloc.pages_for(len(ids) + max_new)
         if need_pages > self.kv_alloc.num_pages - 1:
@@ -105,6 +113,8 @@ class Engine:
             stop_ids=frozenset(stop),
             logprobs=[] if params.logprobs is not None else None,
             logits=[] if self.capture_logits else None,
+            prompt_rows=rows,
+            output_rows=[] if rows is not None else None,
         )
         self._requests[request_id] = req
         self.scheduler.add(req)
@@ -146,6 +156,40 @@ class Engine:
                 f"{self.max_context} (model.max_context); no room to generate"
             )
         return ids
+
+    def _prompt_rows(
+        self, request_id: str, prompt: Any, params: SamplingParams
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Multi-channel prompt rows ``[L, C]`` and their host-side radix keys."""
+        from hyloop.graphs.ops import prompt_row_keys
+
+        where = f"request {request_id!r}"
+        try:
+            rows = torch.as_tensor(prompt, dtype=torch.int64)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: prompt rows must be an int array [L, C] ({e})") from None
+        c = self.num_channels
+        if rows.dim() != 2 or rows.shape[1] != c:
+            raise ValueError(
+                f"{where}: prompt rows of shape {tuple(rows.shape)}, expected [L, {c}]"
+            )
+        if rows.shape[0] == 0:
+            raise ValueError(f"{where}: empty prompt")
+        vocab = torch.tensor(self.parts.model.channel_vocab_sizes)
+        bad = (rows < 0) | (rows >= vocab)
+        if bool(bad.any()):
+            r, ch = (int(x) for x in bad.nonzero()[0])
+            raise ValueError(
+                f"{where}: row {r} channel {ch} id {int(rows[r, ch])} outside [0, {int(vocab[ch])})"
+            )
+        if rows.shape[0] >= self.max_context:
+            raise ValueError(
+                f"{where}: prompt of {rows.shape[0]} rows reaches the context limit "
+                f"{self.max_context} (model.max_context); no room to generate"
+            )
+        if params.logprobs is not None:
+            raise ValueError(f"{where}: logprobs are not supported for multi-channel rows")
+        return rows, prompt_row_keys(rows)
 
     def abort_request(self, request_id: str) -> None:
         req = self._requests.get(request_id)
@@ -198,6 +242,8 @@ class Engine:
         t_exec = time.perf_counter()
         result = self.runner.execute(prepared, keep_logits=self.capture_logits)
         next_ids = result.next_ids.tolist()
+        if result.next_rows is not None:
+            result.next_rows = result.next_rows.tolist()
         dt_exec = time.perf_counter() - t_exec
         self.commit_progress(batch)
         outputs = self.process(batch, result, next_ids, None)
@@ -258,6 +304,8 @@ class Engine:
                 continue
             tok = next_ids[i]
             req.output_ids.append(tok)
+            if req.output_rows is not None:
+                req.output_rows.append(result.next_rows[i])
             if req.logprobs is not None:
                 req.logprobs.append(_logprob_entry(result, i, tok, req.params.logprobs or 0))
             if req.logits is not None and result.logits is not None:
@@ -307,6 +355,7 @@ class Engine:
             finish_reason=req.finish_reason,
             num_cached_tokens=req.num_cached,
             logprobs=list(req.logprobs) if req.logprobs is not None else None,
+            rows=[list(r) for r in req.output_rows] if req.output_rows is not None else None,
         )
 
     def close(self) -> None:

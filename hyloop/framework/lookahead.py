@@ -120,8 +120,11 @@ class Lookahead:
             chunks.append(Chunk(req, start, 1, out_pos=req.num_sampled))
         if len(chunks) < self.min_batch:
             return None
-        index = torch.tensor(rows, dtype=torch.int64, device=prev.result.next_ids.device)
-        ids = prev.result.next_ids.index_select(0, index)  # on device: no host round trip
+        source = (
+            prev.result.next_rows if prev.result.next_rows is not None else prev.result.next_ids
+        )
+        index = torch.tensor(rows, dtype=torch.int64, device=source.device)
+        ids = source.index_select(0, index)  # on device: no host round trip
         return Batch(chunks, is_decode=True, input_ids=ids)
 
     def _launch(self, batch: Batch) -> Inflight:
@@ -153,6 +156,8 @@ class Lookahead:
         )
         with deferring:
             next_ids = prev.host_ids.tolist()
+            if prev.result.next_rows is not None:
+                prev.result.next_rows = prev.result.next_rows.tolist()
             eng.commit_progress(prev.batch)
             outs = eng.process(prev.batch, prev.result, next_ids, defer_gen)
         if defer_gen is not None:

@@ -17,7 +17,7 @@ from hyloop.framework.config import GraphsSection
 from hyloop.graphs.bucket_runner import BucketRunner
 from hyloop.graphs.buckets import kv_len_buckets
 from hyloop.graphs.context import StepContext
-from hyloop.graphs.ops import scatter_track_slots
+from hyloop.graphs.ops import row_radix_keys, scatter_track_slots
 from hyloop.graphs.sampler import sample, token_hashes
 from hyloop.graphs.static_inputs import StepInputs
 from hyloop.pools import KVPool, ReqToTokenPool
@@ -42,6 +42,7 @@ class StepOutput:
     top_lp: torch.Tensor | None  # [B, K] logprobs of the top tokens
     top_ids: torch.Tensor | None  # [B, K]
     chosen_lp: torch.Tensor | None  # [B] logprob of the sampled token
+    next_rows: torch.Tensor | None = None  # [B, C] multi-channel models (next_ids: row keys)
 
 
 def run_step(
@@ -60,6 +61,23 @@ def run_step(
     rows = torch.arange(hidden.shape[0], device=hidden.device)
     last = hidden[rows, ctx.last_index]
     logits = model.compute_logits(last)
+    next_rows = None
+    if logits.dim() == 3:  # multi-channel rows: sample every channel, key the row
+        b, c, _ = logits.shape
+        channel = torch.arange(c, device=logits.device).repeat(b)
+        next_rows = sample(
+            logits.reshape(b * c, -1),
+            st.temperature.repeat_interleave(c),
+            st.top_k.repeat_interleave(c),
+            st.top_p.repeat_interleave(c),
+            st.seeds.repeat_interleave(c),
+            st.out_pos.repeat_interleave(c) * c + channel,
+            tok_hash,
+            st.filtered,
+            st.greedy_only,
+        ).view(b, c)
+        next_ids = row_radix_keys(next_rows, model.end_id)
+        return StepOutput(next_ids, logits if keep_logits else None, None, None, None, next_rows)
     next_ids = sample(
         logits,
         st.temperature,
@@ -99,6 +117,10 @@ class ModelRunner:
         self.device = device
         self.recurrent = recurrent
         self.tok_hash = token_hashes(vocab_size, device)
+        channels = (
+            getattr(model, "num_channels", None) if getattr(model, "is_row_model", 0) else None
+        )
+        self.row_shape: tuple[int, ...] = (channels,) if channels else ()
         graphs = graphs or GraphsSection()
         self.backend = resolve_backend(graphs.backend, device)
         self.graph_runner: BucketRunner | None = None
@@ -116,8 +138,10 @@ class ModelRunner:
                 kv_len_buckets=step,
                 device=device,
                 padding_row=req_to_token.padding_row,
+                channels=channels,
                 oversize=graphs.oversize,
                 compile_in_graph=graphs.compile_in_graph,
+                compile_options=graphs.compile_options,
                 name=f"decode-{type(model).__name__}-{id(self):x}",
             )
 
@@ -128,14 +152,17 @@ class ModelRunner:
         chunks = batch.chunks
         b = len(chunks)
         t = max(c.length for c in chunks)
-        ids = torch.zeros(b, t, dtype=torch.int64)
+        ids = torch.zeros(b, t, *self.row_shape, dtype=torch.int64)
         pos = torch.zeros(b, t, dtype=torch.int64)
         loc = torch.zeros(b, t, dtype=torch.int64)
         limit = self.req_to_token.max_context - 1
         for i, c in enumerate(chunks):
             req = c.req
-            tokens = req.all_ids[c.start : c.start + c.length]
-            ids[i, : c.length] = torch.tensor(tokens, dtype=torch.int64)
+            if req.prompt_rows is not None:
+                ids[i, : c.length] = req.rows_at(c.start, c.length)
+            else:
+                tokens = req.all_ids[c.start : c.start + c.length]
+                ids[i, : c.length] = torch.tensor(tokens, dtype=torch.int64)
             pos[i] = torch.arange(c.start, c.start + t).clamp_max(limit)
             loc[i, : c.length] = req.slots[c.start : c.start + c.length]
         return self._context(batch, ids, pos, loc)
@@ -146,7 +173,10 @@ class ModelRunner:
             pos.append(c.start)
             loc.append(int(c.req.slots[c.start]))
         if batch.input_ids is not None:
-            ids = batch.input_ids.view(-1, 1)  # already on the device (lookahead)
+            ids = batch.input_ids.view(-1, 1, *self.row_shape)  # on the device (lookahead)
+        elif self.row_shape:
+            ids = torch.tensor([c.req.output_rows[-1] for c in batch.chunks], dtype=torch.int64)
+            ids = ids.view(-1, 1, *self.row_shape)
         else:
             ids = torch.tensor([c.req.output_ids[-1] for c in batch.chunks], dtype=torch.int64)
             ids = ids.view(-1, 1)
@@ -267,6 +297,7 @@ class ModelRunner:
                 top_lp=out.get("top_lp"),
                 top_ids=out.get("top_ids"),
                 chosen_lp=out.get("chosen_lp"),
+                next_rows=out.get("next_rows"),
             )
         ctx, st = prepared
         return run_step(self.model, ctx, st, self.tok_hash, keep_logits)

@@ -27,6 +27,7 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort"
     num_cached_tokens: int
     logprobs: list[dict[int, float]] | None = None
+    rows: list[list[int]] | None = None  # multi-channel models: the generated rows [C] each
 
 
 @dataclass
@@ -51,10 +52,25 @@ class Request:
     num_cached: int = 0  # prompt tokens served from the cache
     lock: Any = None  # cache lock receipt
     state_slot: int = 0  # recurrent working slot (hybrid models)
+    # Multi-channel models: prompt rows [L, C]; prompt_ids / output_ids then hold row keys.
+    prompt_rows: torch.Tensor | None = None
+    output_rows: list[list[int]] | None = None
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def rows_at(self, start: int, length: int) -> torch.Tensor:
+        """Input rows ``[length, C]`` of positions ``start .. start + length - 1``."""
+        assert self.prompt_rows is not None and self.output_rows is not None
+        n = self.prompt_rows.shape[0]
+        parts = []
+        if start < n:
+            parts.append(self.prompt_rows[start : min(n, start + length)])
+        if start + length > n:
+            lo = max(0, start - n)
+            parts.append(torch.tensor(self.output_rows[lo : start + length - n], dtype=torch.int64))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     @property
     def prefill_done(self) -> bool:

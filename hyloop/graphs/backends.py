@@ -83,6 +83,7 @@ class CompiledStep:
         tag: str,
         mode: str | None = None,
         strict_stance: bool = False,
+        options: dict[str, Any] | None = None,
     ) -> None:
         self.key = key
         self.static = static
@@ -92,7 +93,9 @@ class CompiledStep:
         name = f"hyloop_{tag}_b{key.batch}_kv{key.kv_len}_f{int(key.filtered)}_lp{key.num_logprobs}"
         fn = _trampoline(step_fn, "".join(c if c.isalnum() else "_" for c in name))
         self._code = fn.__code__
-        self._compiled = torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
+        self._compiled = torch.compile(
+            fn, fullgraph=True, dynamic=False, mode=mode, options=options or None
+        )
         self._entries = 0
 
     @property

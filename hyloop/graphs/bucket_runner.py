@@ -55,6 +55,7 @@ class BucketRunner:
         oversize: Literal["split", "eager"] = "split",
         compile_in_graph: bool = False,
         compile_mode: str | None = None,
+        compile_options: dict[str, Any] | None = None,
         strict_stance: bool = False,
         warmup_runs: int = 2,
         name: str = "step",
@@ -74,6 +75,7 @@ class BucketRunner:
         self.oversize = oversize
         self.compile_in_graph = compile_in_graph
         self.compile_mode = compile_mode
+        self.compile_options = dict(compile_options or {})
         self.strict_stance = strict_stance
         self.warmup_runs = warmup_runs
         self.name = name
@@ -148,6 +150,7 @@ class BucketRunner:
                 tag=self.name,
                 mode=self.compile_mode,
                 strict_stance=self.strict_stance,
+                options=self.compile_options,
             )
             self._compiled.append(compiled)
         if self.backend == "compile":

@@ -121,7 +121,9 @@ def run_wave(
     reqs = []
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(f"{tag}-{i}", prompt, p)
-        reqs.append(engine.request(f"{tag}-{i}"))  # stays valid after it finishes
+        req = engine.request(f"{tag}-{i}")  # the object stays valid after it finishes
+        assert req is not None
+        reqs.append(req)
     done: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -129,8 +131,8 @@ def run_wave(
                 done[out.request_id] = out.token_ids
     after = engine.stats()
     delta = {k: after[k] - before[k] for k in (*COUNTERS, "decode_steps", "decode_tokens")}
-    tokens = [done[r.request_id] for r in reqs]  # type: ignore[union-attr]
-    logits = [list(r.logits or [])[: len(t)] for r, t in zip(reqs, tokens, strict=True)]  # type: ignore[union-attr]
+    tokens = [done[r.request_id] for r in reqs]
+    logits = [list(r.logits or [])[: len(t)] for r, t in zip(reqs, tokens, strict=True)]
     return tokens, logits, delta
 
 
@@ -215,6 +217,13 @@ def regress(
             raise ValueError(
                 f"regress.batch_sizes: wave of {sizes[-1]} requests exceeds "
                 f"scheduler.max_running_requests={max_running}; the decode batch could not be N"
+            )
+        longest = settings.prompt_len[1] + settings.max_tokens
+        if longest > oracle.engine.max_context:
+            # A clipped request would finish early and shrink its wave's decode batch.
+            raise ValueError(
+                f"regress.prompt_len / max_tokens: prompts up to {settings.prompt_len[1]} plus "
+                f"{settings.max_tokens} tokens exceed model.max_context={oracle.engine.max_context}"
             )
         ref = _run_all(oracle, settings, sizes)
     with LLM(model=model, config=cfg) as captured:

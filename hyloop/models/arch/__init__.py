@@ -1,5 +1,5 @@
 """Model architectures; importing this package registers them."""
 
-from hyloop.models.arch import llama, qwen3_next
+from hyloop.models.arch import llama, qwen3_next, row_lm
 
-__all__ = ["llama", "qwen3_next"]
+__all__ = ["llama", "qwen3_next", "row_lm"]
