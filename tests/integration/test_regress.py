@@ -147,6 +147,7 @@ BAD_INPUTS = [
     (["graphs.backend=eager"], "graphs.backend"),
     (["graphs.bakend=compile"], "graphs.bakend"),
     (["regress.batch_sizes=[40]", "scheduler.max_running_requests=8"], "max_running_requests"),
+    (["regress.prompt_len=[4,60]", "model.max_context=64"], "model.max_context=64"),
 ]
 
 

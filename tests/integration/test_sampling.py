@@ -56,10 +56,12 @@ def small_llm(small_vocab_ckpt: Path) -> Iterator[LLM]:
         yield llm
 
 
+LLM_OVERRIDES = ["kv_pool.page_size=4", "kv_pool.num_pages=512", "scheduler.prefill_chunk=16"]
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_ckpts: dict[str, Path]) -> Iterator[LLM]:
-    overrides = ["kv_pool.page_size=4", "kv_pool.num_pages=512", "scheduler.prefill_chunk=16"]
-    with LLM(model=tiny_ckpts["llama"], overrides=overrides) as llm:
+    with LLM(model=tiny_ckpts["llama"], overrides=LLM_OVERRIDES) as llm:
         yield llm
 
 
@@ -179,6 +181,18 @@ def test_same_seed_same_tokens_when_joining_midflight(llm: LLM) -> None:
         done.update({o.request_id: o for o in eng.step() if o.finished})
     assert done["mid-target"].token_ids == alone
     assert done["mid-twin"].token_ids == alone
+
+
+def test_same_seed_same_tokens_under_lookahead(llm: LLM, tiny_ckpts: dict[str, Path]) -> None:
+    alone = llm.generate([TARGET_PROMPT], TARGET, use_tqdm=False)[0].token_ids
+    prompts, params = _others(6)
+    prompts.insert(2, TARGET_PROMPT)
+    params.insert(2, TARGET)
+    plain = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    overrides = [*LLM_OVERRIDES, "lookahead.enable=true"]
+    with LLM(model=tiny_ckpts["llama"], overrides=overrides) as ahead:
+        assert [o.token_ids for o in ahead.generate(prompts, params, use_tqdm=False)] == plain
+    assert plain[2] == alone
 
 
 def test_different_seeds_differ(llm: LLM) -> None:
