@@ -1,0 +1,438 @@
+"""Async lookahead: the same tokens as the synchronous loop, and nothing freed too early.
+
+Lookahead launches decode step N+1 before step N is resolved, so everything the host does (stop
+checks, tree inserts, frees) runs one step late. These tests run each workload twice, lookahead
+off and on, through a pool small enough to queue requests and evict the cache, and check:
+identical tokens and finish reasons (greedy and seeded sampling, dense and hybrid, eager and
+compile), the pool/tree ledger after every step, no token past a stop or ``max_tokens`` in an
+output or in the tree, and that a page freed while the launched step still reads it is caught.
+
+Aborts are keyed on how many tokens a request has returned, not on the step number (which is
+one apart under lookahead), so both runs abort the same requests with the same outputs.
+"""
+
+from __future__ import annotations
+
+import random
+from array import array
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hyloop import LLM, SamplingParams
+from hyloop.framework.engine import Engine
+from hyloop.framework.request import RequestOutput
+
+EOS = 2
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_intra_op_thread() -> Any:
+    """Tiny models run fastest on one thread; with the lookahead thread beside the step, a
+    second OpenMP worker only spins against it on a small machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def rand_ids(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 256, (n,), generator=g).tolist()
+
+
+@dataclass
+class Job:
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    abort_at: int | None = None  # abort once this many tokens are returned (0: before step 1)
+
+
+@dataclass
+class Run:
+    outputs: dict[str, RequestOutput] = field(default_factory=dict)
+    steps: int = 0
+    checks: int = 0
+    evicted_tokens: int = 0
+    max_waiting_while_running: int = 0
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def make_jobs(
+    n: int, seed: int, shared: bool, max_tokens: int = 24, abort_rate: float = 0.15
+) -> list[Job]:
+    """Mixed greedy and seeded sampling, some stop ids, some aborts keyed on the number of
+    returned tokens. ``shared``: prompts are cut from a few common bases, so admissions hit
+    the cache; otherwise prompts are distinct and the tree only fills and evicts."""
+    rng = random.Random(seed)
+    bases = [rand_ids(rng.randint(16, 48), 1000 * seed + i) for i in range(4)]
+    jobs = []
+    for i in range(n):
+        head = rng.choice(bases)[: rng.randint(1, 48)] if shared else []
+        prompt = head + rand_ids(rng.randint(1, 32), 1000 * seed + 100 + i)
+        stop = [rng.randint(3, 255) for _ in range(2)] if rng.random() < 0.3 else None
+        params = SamplingParams(
+            temperature=rng.choice([0.0, 0.9]),
+            seed=i,
+            max_tokens=rng.randint(1, max_tokens),
+            stop_token_ids=stop,
+            ignore_eos=rng.random() < 0.5,
+        )
+        abort = None
+        if i % 6 == 1:  # early enough to land before most stops: 0 aborts while waiting
+            abort = min(i % 4, params.max_tokens - 1)
+        elif rng.random() < abort_rate:
+            abort = rng.randint(0, params.max_tokens - 1)
+        jobs.append(Job(f"r{i}", prompt, params, abort))
+    return jobs
+
+
+def drive(
+    eng: Engine,
+    jobs: list[Job],
+    check_every: int = 1,
+    on_step: Callable[[Engine], None] | None = None,
+) -> Run:
+    """Add ``jobs``, step until done, abort on schedule, check the ledger every few steps."""
+    run = Run()
+    real_evict = eng.cache.evict
+
+    def counting_evict(params: Any) -> Any:
+        r = real_evict(params)
+        run.evicted_tokens += r.num_tokens_evicted
+        return r
+
+    eng.cache.evict = counting_evict  # type: ignore[method-assign]
+    pending = {j.rid: j.abort_at for j in jobs if j.abort_at is not None}
+    for j in jobs:
+        eng.add_request(j.rid, j.prompt, j.params)
+    try:
+        while eng.has_unfinished_requests() or pending:
+            for rid, at in list(pending.items()):
+                req = eng.request(rid)
+                if req is None:
+                    del pending[rid]  # finished before its abort point
+                elif len(req.output_ids) >= at:
+                    eng.abort_request(rid)
+                    del pending[rid]
+            for out in eng.step():
+                assert not (out.finished and out.request_id in run.outputs), out.request_id
+                if out.finished:
+                    run.outputs[out.request_id] = out
+            run.steps += 1
+            if run.steps % check_every == 0:
+                eng.check_invariants()
+                run.checks += 1
+            if on_step is not None:
+                on_step(eng)
+            if eng.scheduler.running:
+                waiting = len(eng.scheduler.waiting)
+                run.max_waiting_while_running = max(run.max_waiting_while_running, waiting)
+            assert run.steps < 20_000, "the engine does not make progress"
+    finally:
+        eng.cache.evict = real_evict  # type: ignore[method-assign]
+    eng.check_invariants()
+    run.stats = eng.stats()
+    return run
+
+
+def run_pair(ckpt: Path, overrides: list[str], jobs: list[Job]) -> tuple[Run, Run]:
+    runs = []
+    for enable in (False, True):
+        with LLM(model=ckpt, overrides=[*overrides, f"lookahead.enable={enable}"]) as llm:
+            runs.append(drive(llm.engine, jobs))
+    return runs[0], runs[1]
+
+
+def assert_same_outputs(sync: Run, la: Run, jobs: list[Job]) -> None:
+    assert sorted(sync.outputs) == sorted(la.outputs) == sorted(j.rid for j in jobs)
+    for j in jobs:
+        a, b = sync.outputs[j.rid], la.outputs[j.rid]
+        assert (b.token_ids, b.finish_reason) == (a.token_ids, a.finish_reason), j.rid
+
+
+def ledger_is_closed(eng: Engine) -> None:
+    """Every page and slot is free or owned by the tree; nothing left pending."""
+    alloc = eng.kv_alloc
+    assert alloc.pending_size() == 0
+    assert alloc.available_size() + eng.cache.total_size() == alloc.capacity
+    rec = eng.memory.recurrent
+    if rec is not None:
+        assert rec.pending_size() == 0
+        assert rec.available_size() + eng.cache.total_size("recurrent") == rec.capacity
+
+
+# -- lookahead on == off ---------------------------------------------------------------------------
+
+SMALL_POOL = [
+    "kv_pool.page_size=4",
+    "kv_pool.num_pages=48",  # 188 tokens: a few requests at a time, the tree evicts
+    "scheduler.max_running_requests=6",
+    "scheduler.prefill_chunk=16",
+    "model.max_context=128",
+]
+
+
+# Admission evicts for room before it locks its own prefix hit, so with shared prefixes and a
+# full pool it can evict the hit and then fail to lock a dead node (see test_queueing.py).
+ADMIT_BUG = pytest.mark.xfail(
+    strict=True,
+    raises=ValueError,
+    reason="admission evicts to make room before locking its prefix hit, and can evict the hit",
+)
+HYBRID_35 = ["recurrent_pool.num_slots=10", "recurrent_pool.track_interval=16"]
+HYBRID_NEXT = ["recurrent_pool.track_interval=8"]
+# (family, arch, overrides, requests, shared prefixes). The shared workloads that evict a hit
+# during admission carry ADMIT_BUG; they pass once admission locks before it evicts.
+CASES = [
+    pytest.param("dense", "llama", [], 40, False, id="llama-distinct"),
+    pytest.param("dense", "llama", [], 40, True, id="llama-shared", marks=ADMIT_BUG),
+    pytest.param("dense", "qwen3", [], 32, False, id="qwen3-distinct"),
+    pytest.param("dense", "qwen3", [], 32, True, id="qwen3-shared", marks=ADMIT_BUG),
+    pytest.param("hybrid", "qwen3_5", HYBRID_35, 24, False, id="qwen3_5-distinct"),
+    pytest.param("hybrid", "qwen3_5", HYBRID_35, 24, True, id="qwen3_5-shared"),
+    pytest.param("hybrid", "qwen3_next", HYBRID_NEXT, 24, False, id="qwen3_next-distinct"),
+    pytest.param(
+        "hybrid", "qwen3_next", HYBRID_NEXT, 24, True, id="qwen3_next-shared", marks=ADMIT_BUG
+    ),
+]
+
+
+@pytest.mark.parametrize(("family", "arch", "extra", "n", "shared"), CASES)
+def test_eager_outputs_match_sync(
+    tiny_ckpts: dict[str, Path],
+    hybrid_ckpts: dict[str, Path],
+    family: str,
+    arch: str,
+    extra: list[str],
+    n: int,
+    shared: bool,
+) -> None:
+    ckpt = (tiny_ckpts if family == "dense" else hybrid_ckpts)[arch]
+    jobs = make_jobs(n, seed=len(arch), shared=shared)
+    sync, la = run_pair(ckpt, [*SMALL_POOL, "graphs.backend=eager", *extra], jobs)
+    assert_same_outputs(sync, la, jobs)
+    for run in (sync, la):
+        assert run.checks == run.steps  # the ledger was checked after every step
+        assert run.evicted_tokens > 0 and run.max_waiting_while_running > 0
+        assert run.stats["requests_aborted"] >= 1
+    assert la.stats["lookahead_hidden_host_s"] > 0  # resolves really ran behind a launch
+
+
+def test_compile_outputs_match_sync(tiny_ckpts: dict[str, Path]) -> None:
+    """One compiled pair (buckets 2 and 4): a few requests, one abort, greedy and seeded."""
+    jobs = make_jobs(6, seed=5, shared=False, max_tokens=12, abort_rate=0.0)
+    jobs[1].abort_at = 3
+    overrides = [
+        *SMALL_POOL[:-2],
+        "scheduler.max_running_requests=4",
+        "model.max_context=96",
+        "graphs.backend=compile",
+        "graphs.buckets=[2,4]",
+    ]
+    sync, la = run_pair(tiny_ckpts["llama"], overrides, jobs)
+    assert_same_outputs(sync, la, jobs)
+    for run in (sync, la):
+        assert run.stats["graph_replays"] > 0 and run.stats["recompiles"] == 0
+
+
+# -- stress: 500 requests, nothing leaks, nothing past a stop --------------------------------------
+
+
+def tree_paths(eng: Engine) -> list[bytes]:
+    """Packed token ids of every root-to-leaf path of the UHRC."""
+    paths: list[bytes] = []
+    stack = [(child, b"") for child in eng.cache.root.children.values()]
+    while stack:
+        node, prefix = stack.pop()
+        path = prefix + node.key
+        if node.children:
+            stack.extend((child, path) for child in node.children.values())
+        else:
+            paths.append(path)
+    return paths
+
+
+def assert_outputs_respect_limits(jobs: list[Job], outputs: dict[str, RequestOutput]) -> None:
+    for j in jobs:
+        out = outputs[j.rid]
+        ids = out.token_ids
+        stops = set(j.params.stop_token_ids or []) | (set() if j.params.ignore_eos else {EOS})
+        assert len(ids) <= j.params.max_tokens, j.rid
+        assert not stops.intersection(ids[:-1]), f"{j.rid}: token after a stop id: {ids}"
+        if out.finish_reason == "stop":
+            assert ids and ids[-1] in stops, j.rid
+        elif out.finish_reason == "length":
+            assert len(ids) == j.params.max_tokens and ids[-1] not in stops, j.rid
+        else:
+            assert out.finish_reason == "abort" and not stops.intersection(ids), j.rid
+
+
+def assert_tree_holds_only_returned_tokens(eng: Engine, outputs: dict[str, RequestOutput]) -> None:
+    """Every tree key is a prefix of some request's prompt + returned output: the token a
+    finished request produced one step late (after a stop id or at max_tokens) is never there."""
+    seqs = [array("q", o.prompt_token_ids + o.token_ids).tobytes() for o in outputs.values()]
+    paths = tree_paths(eng)
+    assert paths, "the tree is empty: nothing was checked"
+    for path in paths:
+        if not any(s.startswith(path) for s in seqs):
+            ids = list(array("q", path))
+            raise AssertionError(f"tree key of {len(ids)} tokens is no returned sequence: {ids}")
+
+
+def stress_jobs(n: int, seed: int, max_tokens: int) -> tuple[list[Job], dict[int, str]]:
+    rng = random.Random(seed)
+    bases = [rand_ids(rng.randint(8, 60), 500 + i) for i in range(8)]
+    jobs, aborts = [], {}
+    for i in range(n):
+        prompt = rng.choice(bases)[: rng.randint(0, 60)] + rand_ids(rng.randint(1, 40), 7 * i)
+        stop = rng.sample(range(3, 256), rng.randint(1, 6)) if rng.random() < 0.4 else None
+        params = SamplingParams(
+            temperature=rng.choice([0.0, 0.0, 1.0]),
+            seed=i,
+            max_tokens=rng.randint(1, max_tokens),
+            stop_token_ids=stop,
+            ignore_eos=rng.random() < 0.3,
+        )
+        jobs.append(Job(f"s{i}", prompt, params))
+        if rng.random() < 0.1:
+            aborts.setdefault(rng.randint(0, 40 * n // 32), f"s{i}")
+    return jobs, aborts
+
+
+def drive_with_step_aborts(eng: Engine, jobs: list[Job], aborts: dict[int, str]) -> Run:
+    step = 0
+
+    def abort_on_schedule(e: Engine) -> None:
+        nonlocal step
+        step += 1
+        if step in aborts:
+            e.abort_request(aborts[step])
+
+    return drive(eng, jobs, check_every=5, on_step=abort_on_schedule)
+
+
+def test_stress_500_requests_dense(tiny_ckpts: dict[str, Path]) -> None:
+    jobs, aborts = stress_jobs(500, seed=3, max_tokens=64)
+    overrides = [
+        "kv_pool.page_size=1",  # the tree keeps every token: the strictest post-stop check
+        "kv_pool.num_pages=3000",
+        "scheduler.max_running_requests=32",
+        "scheduler.prefill_chunk=64",
+        "model.max_context=160",
+        "lookahead.enable=true",
+    ]
+    with LLM(model=tiny_ckpts["llama"], overrides=overrides) as llm:
+        eng = llm.engine
+        run = drive_with_step_aborts(eng, jobs, aborts)
+        assert eng.lookahead is not None and eng.lookahead.inflight is None
+        ledger_is_closed(eng)
+        assert_tree_holds_only_returned_tokens(eng, run.outputs)
+    assert len(run.outputs) == len(jobs)
+    assert_outputs_respect_limits(jobs, run.outputs)
+    reasons = {o.finish_reason for o in run.outputs.values()}
+    assert reasons == {"stop", "length", "abort"}
+    assert run.evicted_tokens > 0 and run.max_waiting_while_running > 0
+
+
+def test_stress_hybrid_ledger(hybrid_ckpts: dict[str, Path]) -> None:
+    """The hybrid variant: state slots and track snapshots come back too."""
+    jobs, aborts = stress_jobs(100, seed=4, max_tokens=32)
+    overrides = [
+        "kv_pool.page_size=1",
+        "kv_pool.num_pages=1200",
+        "recurrent_pool.num_slots=24",
+        "recurrent_pool.track_interval=16",
+        "scheduler.max_running_requests=12",
+        "scheduler.prefill_chunk=64",
+        "model.max_context=128",
+        "lookahead.enable=true",
+    ]
+    with LLM(model=hybrid_ckpts["qwen3_5"], overrides=overrides) as llm:
+        eng = llm.engine
+        run = drive_with_step_aborts(eng, jobs, aborts)
+        ledger_is_closed(eng)
+        assert eng.cache.total_size("recurrent") > 0  # snapshots were committed and kept
+        assert_tree_holds_only_returned_tokens(eng, run.outputs)
+    assert len(run.outputs) == len(jobs)
+    assert_outputs_respect_limits(jobs, run.outputs)
+
+
+# -- a page freed while the launched step reads it is caught ---------------------------------------
+
+EARLY_FREE = [
+    "kv_pool.page_size=4",
+    "kv_pool.num_pages=64",
+    "scheduler.max_running_requests=4",
+    "lookahead.enable=true",
+]
+
+
+def launch_decode(eng: Engine, n: int) -> None:
+    for i in range(n):
+        eng.add_request(f"e{i}", rand_ids(6 + 5 * i, 40 + i), SamplingParams(max_tokens=30))
+    for _ in range(10):
+        eng.step()
+        eng.check_invariants()
+        la = eng.lookahead
+        assert la is not None
+        if la.inflight is not None and la.inflight.batch.is_decode:
+            return
+    raise AssertionError("no decode step was launched")
+
+
+def read_page_slot(eng: Engine) -> int:
+    """A slot of a page the in-flight step reads, owned by the request (not the tree)."""
+    assert eng.lookahead is not None and eng.lookahead.inflight is not None
+    chunk = eng.lookahead.inflight.batch.chunks[0]
+    req = chunk.req
+    assert req.slots is not None and chunk.start >= req.own_from
+    return int(req.slots[chunk.start])
+
+
+def test_page_freed_under_a_launched_step_is_caught(tiny_ckpts: dict[str, Path]) -> None:
+    with LLM(model=tiny_ckpts["llama"], overrides=EARLY_FREE) as llm:
+        eng = llm.engine
+        launch_decode(eng, 3)
+        # Bypass the deferral: a plain free puts the page straight on the free list.
+        eng.kv_alloc.free(torch.tensor([read_page_slot(eng)]))
+        with pytest.raises(AssertionError, match="still reads it"):
+            eng.check_invariants()
+
+
+def test_pending_flushed_early_is_caught(tiny_ckpts: dict[str, Path]) -> None:
+    with LLM(model=tiny_ckpts["llama"], overrides=EARLY_FREE) as llm:
+        eng = llm.engine
+        launch_decode(eng, 3)
+        inflight = eng.lookahead.inflight  # type: ignore[union-attr]
+        victim = inflight.batch.chunks[0].req
+        # The normal path: an abort during flight parks the request's pages as pending-free.
+        eng.abort_request(victim.request_id)
+        assert eng.kv_alloc.pending_size() > 0
+        eng.check_invariants()
+        # Releasing them before the launched step completed is the bug the check exists for.
+        eng.kv_alloc.flush_pending()
+        with pytest.raises(AssertionError, match="still reads it"):
+            eng.check_invariants()
+
+
+def test_abort_during_flight_is_deferred_and_clean(tiny_ckpts: dict[str, Path]) -> None:
+    with LLM(model=tiny_ckpts["llama"], overrides=EARLY_FREE) as llm:
+        eng = llm.engine
+        launch_decode(eng, 3)
+        eng.abort_request("e1")
+        pending = eng.kv_alloc.pending_size()
+        assert pending > 0
+        eng.check_invariants()
+        eng.step()  # resolves the step that still read e1's pages: they become free
+        eng.check_invariants()
+        assert eng.kv_alloc.pending_size() < pending
+        while eng.has_unfinished_requests():
+            eng.step()
+            eng.check_invariants()
+        ledger_is_closed(eng)
