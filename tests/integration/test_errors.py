@@ -75,6 +75,15 @@ def test_bad_config_names_the_key(tiny_ckpts: dict[str, Path], override: str, na
         assert part in str(info.value)
 
 
+def test_bad_yaml_config_names_the_key(tiny_ckpts: dict[str, Path], tmp_path: Path) -> None:
+    cfg = tmp_path / "engine.yaml"
+    cfg.write_text("kv_pool:\n  page_size: 4\nscheduler:\n  max_runing_requests: 8\n")
+    with pytest.raises(ConfigError, match=r"scheduler\.max_runing_requests"):
+        LLM(model=tiny_ckpts["llama"], config=cfg)
+    with pytest.raises(ConfigError, match="missing.yaml"):
+        LLM(model=tiny_ckpts["llama"], config=tmp_path / "missing.yaml")
+
+
 def test_missing_checkpoint(tmp_path: Path) -> None:
     path = tmp_path / "no-such-model"
     with pytest.raises(FileNotFoundError, match="no-such-model"):
