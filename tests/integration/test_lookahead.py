@@ -436,3 +436,72 @@ def test_abort_during_flight_is_deferred_and_clean(tiny_ckpts: dict[str, Path]) 
             eng.step()
             eng.check_invariants()
         ledger_is_closed(eng)
+
+
+# -- hybrid: a request stopped under lookahead leaves a reusable, exact prefix ---------------------
+
+TRACK = 16
+HYBRID_TURNS = [
+    "kv_pool.page_size=16",
+    f"recurrent_pool.track_interval={TRACK}",
+    "scheduler.prefill_chunk=32",
+    "model.max_context=256",
+]
+
+
+def run_one(eng: Engine, rid: str, prompt: list[int], params: SamplingParams) -> RequestOutput:
+    eng.add_request(rid, prompt, params)
+    req = eng.request(rid)
+    assert req is not None
+    done = None
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done = out
+        eng.check_invariants()
+    assert done is not None
+    done.logits = req.logits  # type: ignore[attr-defined]
+    return done
+
+
+def test_hybrid_stop_then_extend_hits_an_exact_track_snapshot(
+    hybrid_ckpts: dict[str, Path],
+) -> None:
+    ckpt = hybrid_ckpts["qwen3_5"]
+    turn1 = rand_ids(40, 77)
+    tail = rand_ids(7, 78)
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    results: dict[tuple[bool, bool], tuple[RequestOutput, RequestOutput]] = {}
+    stop_id: int | None = None
+    for lookahead, cache in ((False, False), (True, True), (False, True)):
+        overrides = [*HYBRID_TURNS, f"lookahead.enable={lookahead}", f"cache.enable={cache}"]
+        with LLM(model=ckpt, overrides=overrides) as llm:
+            eng = llm.engine
+            eng.capture_logits = True
+            if stop_id is None:
+                # A stop id the model really produces: the first new token from the 27th on,
+                # so turn 1 covers prompt + output past the boundary at 64.
+                probe = run_one(eng, "probe", turn1, greedy).token_ids
+                k = next(i for i in range(26, len(probe)) if probe[i] not in probe[:i])
+                stop_id = probe[k]
+            params = SamplingParams(
+                temperature=0.0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop_id]
+            )
+            out1 = run_one(eng, "t1", turn1, params)
+            assert out1.finish_reason == "stop" and out1.token_ids[-1] == stop_id
+            turn2 = turn1 + out1.token_ids + tail
+            out2 = run_one(eng, "t2", turn2, SamplingParams(max_tokens=8, ignore_eos=True))
+            results[(lookahead, cache)] = (out1, out2)
+            ledger_is_closed(eng)
+    ref1, ref2 = results[(False, False)]
+    assert ref2.num_cached_tokens == 0
+    for key in ((True, True), (False, True)):
+        out1, out2 = results[key]
+        assert out1.token_ids == ref1.token_ids, key
+        assert out2.token_ids == ref2.token_ids, key
+        # The hit ends on a track boundary inside turn 1's prompt + returned output.
+        end1 = len(turn1) + len(out1.token_ids)
+        assert 0 < out2.num_cached_tokens <= end1 and out2.num_cached_tokens % TRACK == 0, key
+        for a, b in zip(out2.logits, ref2.logits, strict=True):  # type: ignore[attr-defined]
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+    assert results[(True, True)][1].num_cached_tokens >= 64
