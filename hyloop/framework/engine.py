@@ -92,7 +92,7 @@ class Engine:
         if self.num_channels:
             rows, ids = self._prompt_rows(request_id, prompt, params)
         else:
-            ids = self._prompt_ids(request_id, prompt)
+            ids = self.validate_prompt(request_id, prompt)
         max_new = min(params.max_tokens, self.max_context - len(ids))
         need_pages = self.kv_alloc.pages_for(len(ids) + max_new)
         if need_pages > self.kv_alloc.num_pages - 1:
@@ -125,7 +125,8 @@ class Engine:
             temperature=d.temperature, top_p=d.top_p, top_k=d.top_k, max_tokens=d.max_tokens
         )
 
-    def _prompt_ids(self, request_id: str, prompt: str | list[int]) -> list[int]:
+    def validate_prompt(self, request_id: str, prompt: str | list[int]) -> list[int]:
+        """The prompt's token ids, or a ValueError naming ``request_id`` and what is wrong."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(

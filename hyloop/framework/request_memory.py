@@ -66,11 +66,14 @@ class RequestMemory:
             if shared - cached >= max(DEFER_MIN_SHARED, self.page_size):
                 return None
         own_tokens = len(req.prompt_ids) + req.max_new - cached
-        if not self._ensure_pages(self.kv.pages_for(own_tokens)):
-            return False
-        if self.recurrent is not None and not self._ensure_slots(1):
-            return False
+        # NOTE: lock the hit before evicting for room, so eviction cannot take the hit itself.
         lock = self.cache.inc_lock_ref(m.last_node)
+        enough = self._ensure_pages(self.kv.pages_for(own_tokens))
+        if enough and self.recurrent is not None:
+            enough = self._ensure_slots(1)
+        if not enough:
+            self.cache.dec_lock_ref(lock.to_dec_params())
+            return False
         own = self.kv.alloc(own_tokens)
         assert own is not None, "pages were ensured"
         req.slots = torch.cat([m.device_indices.to(torch.int64), own]) if cached else own

@@ -28,20 +28,29 @@ class SamplingParams:
         def bad(name: str, value: object, expected: str) -> ValueError:
             return ValueError(f"{where}.{name}: got {value!r}; expected {expected}")
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        def number(value: object) -> bool:
+            return isinstance(value, int | float) and not isinstance(value, bool)
+
+        def integer(value: object) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        if not integer(self.max_tokens) or self.max_tokens < 1:
             raise bad("max_tokens", self.max_tokens, "an int >= 1")
-        if not self.temperature >= 0.0:
+        if not number(self.temperature) or not self.temperature >= 0.0:
             raise bad("temperature", self.temperature, "a float >= 0")
-        if not 0.0 < self.top_p <= 1.0:
+        if not number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", self.top_p, "a float in (0, 1]")
-        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+        if not integer(self.top_k) or (self.top_k < 1 and self.top_k != -1):
             raise bad("top_k", self.top_k, "-1 (disabled) or an int >= 1")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and not integer(self.seed):
             raise bad("seed", self.seed, "an int or None")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+        if self.logprobs is not None and (not integer(self.logprobs) or self.logprobs < 0):
             raise bad("logprobs", self.logprobs, "None or an int >= 0")
-        if self.stop_token_ids is not None and not all(
-            isinstance(t, int) for t in self.stop_token_ids
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", self.ignore_eos, "a bool")
+        if self.stop_token_ids is not None and (
+            not isinstance(self.stop_token_ids, list | tuple)
+            or not all(integer(t) for t in self.stop_token_ids)
         ):
             raise bad("stop_token_ids", self.stop_token_ids, "a list of ints")
 

@@ -69,10 +69,12 @@ def sample(
     noise = gumbel_noise(seeds, out_pos, tok_hash)
     if filtered:
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
         rank = torch.arange(logits.shape[-1], device=logits.device)
-        keep = (rank[None, :] < top_k[:, None]) & (mass_before < top_p[:, None])
+        in_top_k = rank[None, :] < top_k[:, None]
+        # Top-k first, then the nucleus over the renormalised top-k (as HF / vLLM do).
+        probs = torch.where(in_top_k, sorted_logits, -torch.inf).softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        keep = in_top_k & (mass_before < top_p[:, None])
         keep[:, 0] = True
         perturbed = torch.where(keep, sorted_logits + noise.gather(1, order), -torch.inf)
         sampled = order.gather(1, perturbed.argmax(dim=-1, keepdim=True)).squeeze(1)

@@ -35,7 +35,8 @@ def default_checkpoint() -> Path:
     return files[0]
 
 
-def read_jsonl(path: str) -> list[dict[str, Any]]:
+def read_jsonl(path: str) -> list[tuple[int, dict[str, Any]]]:
+    """``(line number, row)`` pairs; structural errors name the line."""
     rows = []
     with open(path) as fh:
         for n, line in enumerate(fh, 1):
@@ -52,8 +53,16 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
             unknown = set(row) - SAMPLING_FIELDS - {"prompt", "prompt_token_ids", "id", "messages"}
             if unknown:
                 raise ValueError(f"{path}:{n}: unknown fields {sorted(unknown)}")
-            rows.append(row)
+            rows.append((n, row))
     return rows
+
+
+def row_params(where: str, row: dict[str, Any], defaults: SamplingParams) -> SamplingParams:
+    fields = {k: getattr(defaults, k) for k in SAMPLING_FIELDS}
+    fields.update({k: v for k, v in row.items() if k in SAMPLING_FIELDS})
+    params = SamplingParams(**fields)
+    params.validate(where)
+    return params
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -61,17 +70,17 @@ def run_generate(args: argparse.Namespace) -> int:
     with LLM(model=model, config=args.config or None, overrides=args.overrides) as llm:
         defaults = llm.engine.default_params()
         if args.input:
-            rows = read_jsonl(args.input)
-            prompts = [r.get("prompt", r.get("prompt_token_ids")) for r in rows]
-            params = [
-                SamplingParams(
-                    **{
-                        **{k: getattr(defaults, k) for k in SAMPLING_FIELDS},
-                        **{k: v for k, v in r.items() if k in SAMPLING_FIELDS},
-                    }
-                )
-                for r in rows
-            ]
+            numbered = read_jsonl(args.input)
+            rows = [r for _, r in numbered]
+            prompts, params = [], []
+            for n, r in numbered:
+                where = f"{args.input}:{n}"
+                prompt = r.get("prompt", r.get("prompt_token_ids"))
+                if not isinstance(prompt, str | list):
+                    raise ValueError(f"{where}: prompt must be a string or a list of token ids")
+                llm.engine.validate_prompt(where, prompt)
+                prompts.append(prompt)
+                params.append(row_params(where, r, defaults))
         else:
             rows = [{"prompt": p} for p in DEFAULT_PROMPTS]
             tok = llm.tokenizer
