@@ -27,6 +27,7 @@ import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from tqdm.auto import tqdm
 
 from hyloop.framework.config import ConfigError, EngineConfig, _load_yaml, validate_config
 from hyloop.framework.llm import LLM
@@ -165,11 +166,13 @@ def _modes(settings: RegressSettings) -> list[tuple[str, float, int | None]]:
 
 
 def _run_all(
-    llm: LLM, settings: RegressSettings, sizes: list[int]
-) -> list[tuple[list[str], Any, dict[str, int]]]:
+    llm: LLM, settings: RegressSettings, sizes: list[int], label: str
+) -> list[dict[str, Any]]:
     llm.engine.capture_logits = True
+    modes = _modes(settings)
+    bar = tqdm(total=len(modes) * len(sizes), desc=f"{label} waves", disable=None, leave=False)
     runs = []
-    for m, (mode, temp, seed) in enumerate(_modes(settings)):
+    for m, (mode, temp, seed) in enumerate(modes):
         for n in sizes:
             prompts = make_prompts(
                 settings.prompt_seed * 1_000_003 + n * 101 + m,
@@ -189,7 +192,10 @@ def _run_all(
             ]
             tag = f"{mode}-b{n}"
             tokens, logits, delta = run_wave(llm, tag, prompts, params)
-            runs.append(([f"{tag}-{i}" for i in range(n)], (tokens, logits), delta))
+            ids = [f"{tag}-{i}" for i in range(n)]
+            runs.append({"mode": mode, "ids": ids, "out": (tokens, logits), "delta": delta})
+            bar.update(1)
+    bar.close()
     return runs
 
 
@@ -225,22 +231,22 @@ def regress(
                 f"regress.prompt_len / max_tokens: prompts up to {settings.prompt_len[1]} plus "
                 f"{settings.max_tokens} tokens exceed model.max_context={oracle.engine.max_context}"
             )
-        ref = _run_all(oracle, settings, sizes)
+        ref = _run_all(oracle, settings, sizes, "eager")
     with LLM(model=model, config=cfg) as captured:
         if perturb is not None:
             perturb(captured)
-        got = _run_all(captured, settings, sizes)
+        got = _run_all(captured, settings, sizes, backend)
         graph_report = captured.engine.runner.graph_report()
         runner_buckets = list(captured.engine.runner.graph_runner.buckets)  # type: ignore[union-attr]
     waves = []
-    for (ids, ref_out, _), (_, got_out, delta) in zip(ref, got, strict=True):
-        n = len(ids)
+    for r, g in zip(ref, got, strict=True):
+        n, delta = len(r["ids"]), g["delta"]
         b = pick_bucket(runner_buckets, n)
         wave = {
             "batch": n,
-            "mode": ids[0].rsplit("-b", 1)[0],
+            "mode": r["mode"],
             "bucket": str(b) if b is not None else f">{runner_buckets[-1]}",
-            **compare(ids, ref_out, got_out),
+            **compare(r["ids"], r["out"], g["out"]),
             **{k: delta[k] for k in COUNTERS},
             "decode_batch": delta["decode_tokens"] / max(1, delta["decode_steps"]),
         }
