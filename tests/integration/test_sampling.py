@@ -257,10 +257,6 @@ def test_top_p_nucleus_taken_after_temperature(small_llm: LLM, ref_logits: torch
     assert tv(hist, ref) < TV_BOUND
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="graphs/sampler.py takes the nucleus over the full distribution, not the top-k",
-)
 def test_top_k_then_top_p_like_transformers(small_llm: LLM, ref_logits: torch.Tensor) -> None:
     # transformers, vLLM and SGLang renormalise over the top-k before taking the nucleus.
     probs = ref_logits.softmax(-1).sort(descending=True).values
