@@ -42,15 +42,9 @@ def workload() -> list[tuple[list[int], SamplingParams]]:
     return reqs
 
 
-ADMIT_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="admission evicts to make room before locking its prefix hit, and can evict the hit",
-)
-
-
 @pytest.fixture(
     scope="module",
-    params=[pytest.param(True, marks=ADMIT_BUG, id="cache"), pytest.param(False, id="no-cache")],
+    params=[pytest.param(True, id="cache"), pytest.param(False, id="no-cache")],
 )
 def cache_enable(request: pytest.FixtureRequest) -> bool:
     return bool(request.param)
@@ -197,7 +191,6 @@ def test_aborts_under_pressure_harm_no_other_request(
     assert stats["kv_free_tokens"] + stats["cache_evictable_tokens"] == stats["kv_capacity_tokens"]
 
 
-@ADMIT_BUG
 def test_admission_never_evicts_its_own_prefix_hit(tiny_ckpts: dict[str, Path]) -> None:
     # 16 usable pages of 4. The tree holds an unlocked 32-token prefix (8 pages), a running
     # request holds 4 pages, and a request extending the prefix needs 8 more: the only thing
