@@ -22,7 +22,12 @@ def main(argv: list[str] | None = None) -> int:
     reg.add_argument("--model", help="checkpoint (default: the recipe's)")
     reg.add_argument("--json", help="write the report as JSON here")
     reg.add_argument("overrides", nargs="*", help="config overrides, key=value")
-    args = parser.parse_args(argv)
+    # Overrides (key=value) may come before or after options; argparse takes one run of them.
+    args, extra = parser.parse_known_args(argv)
+    stray = [a for a in extra if a.startswith("-") or "=" not in a]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    args.overrides = [*args.overrides, *extra]
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "generate":

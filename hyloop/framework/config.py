@@ -123,7 +123,7 @@ class EngineConfig(_Section):
         return self
 
 
-def _load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
+def load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     if path in seen:
@@ -137,7 +137,7 @@ def _load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
     parents = cfg.pop("defaults", None) or []
     merged = OmegaConf.create()
     for parent in parents:
-        merged = OmegaConf.merge(merged, _load_yaml(path.parent / str(parent), (*seen, path)))
+        merged = OmegaConf.merge(merged, load_yaml(path.parent / str(parent), (*seen, path)))
     return OmegaConf.merge(merged, cfg)  # type: ignore[return-value]
 
 
@@ -151,7 +151,7 @@ def load_config(
         files = [files]
     cfg = OmegaConf.create(base or {})
     for f in files or []:
-        cfg = OmegaConf.merge(cfg, _load_yaml(Path(f)))
+        cfg = OmegaConf.merge(cfg, load_yaml(Path(f)))
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected key=value")
@@ -185,3 +185,6 @@ def _format(e: ValidationError) -> str:
 
 def dump_config(cfg: EngineConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.create(cfg.model_dump()))
+
+
+_load_yaml = load_yaml  # older name

@@ -29,7 +29,7 @@ from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from tqdm.auto import tqdm
 
-from hyloop.framework.config import ConfigError, EngineConfig, _load_yaml, validate_config
+from hyloop.framework.config import ConfigError, EngineConfig, load_yaml, validate_config
 from hyloop.framework.llm import LLM
 from hyloop.framework.model_runner import resolve_backend
 from hyloop.framework.sampling_params import SamplingParams
@@ -78,7 +78,7 @@ def load_recipe(
     for f in files:
         # NOTE: the engine's own YAML composition (``defaults:`` parents), so presets compose
         # the same way for ``generate`` and ``regress``.
-        cfg = OmegaConf.merge(cfg, _load_yaml(Path(f)))
+        cfg = OmegaConf.merge(cfg, load_yaml(Path(f)))
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected key=value")
@@ -113,8 +113,19 @@ def make_prompts(seed: int, n: int, lengths: tuple[int, int], vocab: int) -> lis
     return [[rng.randrange(vocab) for _ in range(rng.randint(*lengths))] for _ in range(n)]
 
 
+def make_row_prompts(
+    seed: int, n: int, lengths: tuple[int, int], channel_vocab: list[int]
+) -> list[list[list[int]]]:
+    """Multi-channel prompts: ``n`` lists of rows ``[C]`` (one id per channel's vocab)."""
+    rng = random.Random(seed)
+    return [
+        [[rng.randrange(v) for v in channel_vocab] for _ in range(rng.randint(*lengths))]
+        for _ in range(n)
+    ]
+
+
 def run_wave(
-    llm: LLM, tag: str, prompts: list[list[int]], params: list[SamplingParams]
+    llm: LLM, tag: str, prompts: list[Any], params: list[SamplingParams]
 ) -> tuple[list[list[int]], list[list[torch.Tensor]], dict[str, int]]:
     """Add every request at once, step until done; tokens, per-token logits, counter deltas."""
     engine = llm.engine
@@ -174,12 +185,12 @@ def _run_all(
     runs = []
     for m, (mode, temp, seed) in enumerate(modes):
         for n in sizes:
-            prompts = make_prompts(
-                settings.prompt_seed * 1_000_003 + n * 101 + m,
-                n,
-                settings.prompt_len,
-                llm.engine.vocab_size,
-            )
+            wave_seed = settings.prompt_seed * 1_000_003 + n * 101 + m
+            if llm.engine.num_channels:  # multi-channel rows; tokens compared are row keys
+                vocab = list(llm.parts.model.channel_vocab_sizes)
+                prompts: list[Any] = make_row_prompts(wave_seed, n, settings.prompt_len, vocab)
+            else:
+                prompts = make_prompts(wave_seed, n, settings.prompt_len, llm.engine.vocab_size)
             # ignore_eos keeps every request alive to max_tokens, so the decode batch stays N.
             params = [
                 SamplingParams(

@@ -83,6 +83,16 @@ def test_hybrid_captured_equals_eager(
     assert_clean_pass(rc, report, ["2", ">2"])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_row_model_captured_equals_eager(row_ckpt: Path, tmp_path: Path, page_size: int) -> None:
+    """Multi-channel rows: the Horner row keys computed inside the captured step match eager."""
+    rc, report = regress_report(
+        tmp_path, row_ckpt, "graphs.buckets=[2]", f"kv_pool.page_size={page_size}"
+    )
+    assert_clean_pass(rc, report, ["2", ">2"])
+
+
 def flip_captured_tokens(llm: LLM) -> None:
     """Shift every captured logit row at output position 1 (tokens unchanged: sampling is
     shift-invariant) and flip the captured token at position 2. The eager engine is untouched."""
