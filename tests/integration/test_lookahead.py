@@ -178,28 +178,19 @@ SMALL_POOL = [
 ]
 
 
-# Admission evicts for room before it locks its own prefix hit, so with shared prefixes and a
-# full pool it can evict the hit and then fail to lock a dead node (see test_queueing.py).
-ADMIT_BUG = pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="admission evicts to make room before locking its prefix hit, and can evict the hit",
-)
 HYBRID_35 = ["recurrent_pool.num_slots=10", "recurrent_pool.track_interval=16"]
 HYBRID_NEXT = ["recurrent_pool.track_interval=8"]
-# (family, arch, overrides, requests, shared prefixes). The shared workloads that evict a hit
-# during admission carry ADMIT_BUG; they pass once admission locks before it evicts.
+# (family, arch, overrides, requests, shared prefixes): shared prompts make admissions hit the
+# cache (and evict around their hits); distinct prompts only fill and evict the tree.
 CASES = [
-    pytest.param("dense", "llama", [], 40, False, id="llama-distinct"),
-    pytest.param("dense", "llama", [], 40, True, id="llama-shared", marks=ADMIT_BUG),
-    pytest.param("dense", "qwen3", [], 32, False, id="qwen3-distinct"),
-    pytest.param("dense", "qwen3", [], 32, True, id="qwen3-shared", marks=ADMIT_BUG),
-    pytest.param("hybrid", "qwen3_5", HYBRID_35, 24, False, id="qwen3_5-distinct"),
-    pytest.param("hybrid", "qwen3_5", HYBRID_35, 24, True, id="qwen3_5-shared"),
-    pytest.param("hybrid", "qwen3_next", HYBRID_NEXT, 24, False, id="qwen3_next-distinct"),
-    pytest.param(
-        "hybrid", "qwen3_next", HYBRID_NEXT, 24, True, id="qwen3_next-shared", marks=ADMIT_BUG
-    ),
+    pytest.param(family, arch, extra, n, shared, id=f"{arch}-{'shared' if shared else 'distinct'}")
+    for family, arch, extra, n in (
+        ("dense", "llama", [], 40),
+        ("dense", "qwen3", [], 32),
+        ("hybrid", "qwen3_5", HYBRID_35, 24),
+        ("hybrid", "qwen3_next", HYBRID_NEXT, 24),
+    )
+    for shared in (False, True)
 ]
 
 
@@ -221,6 +212,7 @@ def test_eager_outputs_match_sync(
         assert run.checks == run.steps  # the ledger was checked after every step
         assert run.evicted_tokens > 0 and run.max_waiting_while_running > 0
         assert run.stats["requests_aborted"] >= 1
+        assert (run.stats["cached_tokens"] > 0) == shared
     assert la.stats["lookahead_hidden_host_s"] > 0  # resolves really ran behind a launch
 
 
