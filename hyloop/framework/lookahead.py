@@ -93,7 +93,10 @@ class Lookahead:
         self.inflight = self._execute(nxt, prepared, gen, t0)
         t_wait = time.perf_counter()
         outputs += future.result()
-        self.exposed_wait_s += time.perf_counter() - t_wait
+        wait = time.perf_counter() - t_wait
+        self.exposed_wait_s += wait
+        eng.stats_.host_exposed_time += wait  # the part of resolve(N) not hidden by step N+1
+        eng.stats_.decode_time += wait
         return outputs + eng.take_pending_outputs()
 
     def _next_gen(self) -> int:
