@@ -75,9 +75,17 @@ def run_generate(args: argparse.Namespace) -> int:
             prompts, params = [], []
             for n, r in numbered:
                 where = f"{args.input}:{n}"
-                prompt = r.get("prompt", r.get("prompt_token_ids"))
-                if not isinstance(prompt, str | list):
-                    raise ValueError(f"{where}: prompt must be a string or a list of token ids")
+                # Check the field the row used: a string in prompt_token_ids is no text prompt.
+                if "prompt" in r:
+                    prompt = r["prompt"]
+                    if not isinstance(prompt, str | list):
+                        raise ValueError(f"{where}: prompt: got {prompt!r}; expected a string")
+                else:
+                    prompt = r["prompt_token_ids"]
+                    if not isinstance(prompt, list):
+                        raise ValueError(
+                            f"{where}: prompt_token_ids: got {prompt!r}; expected a list of ints"
+                        )
                 llm.engine.validate_prompt(where, prompt)
                 prompts.append(prompt)
                 params.append(row_params(where, r, defaults))

@@ -74,15 +74,7 @@ VALUE_ERRORS = [
     ('{"prompt_token_ids": [1, 999]}', "999"),
     ('{"prompt_token_ids": []}', "empty"),
 ]
-STRING_IDS = pytest.param(
-    '{"prompt_token_ids": "1 2 3"}',
-    "prompt_token_ids",
-    marks=pytest.mark.xfail(
-        strict=True,
-        reason="recipes/offline.py passes a string under prompt_token_ids on as a text prompt; "
-        "the error speaks of a text prompt and a tokenizer, not of prompt_token_ids",
-    ),
-)
+STRING_IDS = ('{"prompt_token_ids": "1 2 3"}', "prompt_token_ids")
 
 
 @pytest.mark.parametrize(("bad", "named"), [*PARSE_ERRORS, *VALUE_ERRORS, STRING_IDS])
