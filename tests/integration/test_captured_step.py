@@ -17,7 +17,8 @@ def _decode_inputs(llm: LLM, n: int, prompt: object) -> object:
     eng = llm.engine
     for i in range(n):
         eng.add_request(f"safe-{i}", prompt, SamplingParams(max_tokens=8, temperature=0.7, seed=i))
-    while not all(r.prefill_done and r.output_ids for r in eng.scheduler.running):
+    running = eng.scheduler.running
+    while len(running) < n or not all(r.prefill_done and r.output_ids for r in running):
         eng.step()
     chunks = [Chunk(r, r.total_len - 1, 1) for r in eng.scheduler.running]
     return eng.runner.decode_inputs(Batch(chunks, is_decode=True))
