@@ -11,6 +11,7 @@ from torch import nn
 
 from hyloop.framework.config import EngineConfig
 from hyloop.framework.model_runner import ModelRunner
+from hyloop.models.layers.packed_linear import pack_linears, packing_available
 from hyloop.models.loader import LoadedModel, load_model
 from hyloop.models.tokenizer import TextTokenizer
 from hyloop.pools import KVPool, RecurrentPool, ReqToTokenPool
@@ -54,6 +55,9 @@ def build_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
             raise ValueError("model.path: no checkpoint given")
         loaded = load_model(cfg.model.path, dtype, device)
     model = loaded.model
+    packed = 0
+    if cfg.model.cpu_packed_linear and packing_available(device):
+        packed = pack_linears(model)
     spec = model.spec
     model_limit = int(getattr(spec, "max_positions", DEFAULT_MAX_CONTEXT))
     max_context = cfg.model.max_context or min(model_limit, DEFAULT_MAX_CONTEXT)
@@ -93,6 +97,7 @@ def build_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         "kv_bytes": kv.nbytes(),
         "cache": type(cache).__name__,
         "backend": runner.backend,
+        "packed_linears": packed,
         "recurrent_slots": recurrent.num_slots if recurrent is not None else 0,
         "recurrent_bytes": recurrent.nbytes() if recurrent is not None else 0,
         "track_interval": track_interval,

@@ -29,6 +29,9 @@ class ModelSection(_Section):
     max_context: int | None = Field(
         None, ge=2, description="longest prompt + output served; default min(model limit, 8192)"
     )
+    cpu_packed_linear: bool = Field(
+        True, description="CPU: pre-pack Linear weights for oneDNN once (2x faster GEMMs)"
+    )
 
 
 class KVPoolSection(_Section):

@@ -7,7 +7,7 @@ values are static per bucket (``kv_len``, ``is_decode``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,6 +36,8 @@ class StepContext:
     state_slots: torch.Tensor | None = None  # [B] int64 working state slot; padding -> 0
     track_slots: torch.Tensor | None = None  # [B] int64 track slot to publish into; 0 = none
     is_decode: bool = False  # static: every row has exactly one new token (T == 1)
+    # Per-step values derived once and shared by every layer (RoPE rows, attention indices).
+    scratch: dict[str, Any] = field(default_factory=dict)
 
     @property
     def batch_size(self) -> int:

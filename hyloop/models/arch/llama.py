@@ -110,7 +110,7 @@ class Attention(nn.Module):
         v = v.view(b, t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(q, k, ctx.positions)
+        q, k = self.rotary(q, k, ctx.positions, ctx.scratch)
         return self.o_proj(self.attn(q, k, v, ctx))
 
 

@@ -135,7 +135,7 @@ class GatedAttention(nn.Module):
         q = self.q_norm(q)
         k = self.k_norm(k.view(b, t, self.num_kv_heads, self.head_dim))
         v = v.view(b, t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(q, k, ctx.positions)
+        q, k = self.rotary(q, k, ctx.positions, ctx.scratch)
         out = self.attn(q, k, v, ctx) * torch.sigmoid(gate.reshape(b, t, self.q_size))
         return self.o_proj(out)
 

@@ -40,11 +40,15 @@ class PagedAttention(nn.Module):
         k_buf.index_copy_(0, loc, k.reshape(-1, self.num_kv_heads, self.head_dim))
         v_buf.index_copy_(0, loc, v.reshape(-1, self.num_kv_heads, self.head_dim))
 
-        slots = ctx.req_to_token[ctx.req_rows, : ctx.kv_len].long()  # [B, L]
+        meta = ctx.scratch.get("paged_attention")
+        if meta is None:  # once per step, shared by every attention layer
+            slots = ctx.req_to_token[ctx.req_rows, : ctx.kv_len].long()  # [B, L]
+            cols = torch.arange(ctx.kv_len, device=q.device)
+            mask = cols.view(1, 1, 1, -1) <= ctx.positions.view(b, 1, t, 1)  # [B, 1, T, L]
+            meta = ctx.scratch["paged_attention"] = (slots, mask)
+        slots, mask = meta
         keys = k_buf[slots].transpose(1, 2)  # [B, Hkv, L, D]
         values = v_buf[slots].transpose(1, 2)
-        cols = torch.arange(ctx.kv_len, device=q.device)
-        mask = cols.view(1, 1, 1, -1) <= ctx.positions.view(b, 1, t, 1)  # [B, 1, T, L]
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             keys,

@@ -90,11 +90,26 @@ class RotaryEmbedding(nn.Module):
         self.sin.copy_(emb.sin())
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        positions: torch.Tensor,
+        scratch: dict[str, Any] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``q [B,T,Hq,D]`` and ``k [B,T,Hk,D]`` at ``positions [B,T]``."""
-        cos = self.cos[positions].unsqueeze(2).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(2).to(q.dtype)
+        """Rotate ``q [B,T,Hq,D]`` and ``k [B,T,Hk,D]`` at ``positions [B,T]``.
+
+        ``scratch`` (the step context's) keeps the gathered rows for the other layers.
+        """
+        key = f"rope{id(self)}"
+        cs = scratch.get(key) if scratch is not None else None
+        if cs is None:
+            cs = (
+                self.cos[positions].unsqueeze(2).to(q.dtype),
+                self.sin[positions].unsqueeze(2).to(q.dtype),
+            )
+            if scratch is not None:
+                scratch[key] = cs
+        cos, sin = cs
         return _apply(q, cos, sin, self.rotary_dim), _apply(k, cos, sin, self.rotary_dim)
 
 
