@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from conftest import build_hf_checkpoint, load_hf_model
+from conftest import HYBRID_COMMON, TINY_HYBRID, build_hf_checkpoint, load_hf_model
 
 from hyloop.graphs.context import StepContext
 from hyloop.models.arch.qwen3_next import FULL, LINEAR, HybridCausalLM, HybridSpec
@@ -15,44 +14,7 @@ from hyloop.models.loader import load_model
 from hyloop.models.registry import model_class
 from hyloop.pools import KVPool, ReqToTokenPool
 
-COMMON: dict[str, Any] = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-    linear_conv_kernel_dim=4,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-    initializer_range=0.1,
-    tie_word_embeddings=False,
-    eos_token_id=2,
-    full_attention_interval=2,
-)
-TINY = {
-    "qwen3_next": dict(
-        COMMON,
-        architectures=["Qwen3NextForCausalLM"],
-        model_type="qwen3_next",
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=48,
-        mlp_only_layers=[3],
-    ),
-    "qwen3_5": dict(
-        COMMON,
-        architectures=["Qwen3_5ForCausalLM"],
-        model_type="qwen3_5_text",
-        tie_word_embeddings=True,
-    ),
-}
+TINY = TINY_HYBRID
 MAX_CTX = 256
 
 
@@ -163,7 +125,8 @@ def test_layer_pattern_and_rope_spellings() -> None:
     assert spec.sparse_layers == (True, True, True, False) + (True,) * 4
     assert spec.gdn.interleaved_proj
 
-    nested = {"architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": dict(COMMON)}
+    arch = ["Qwen3_5ForConditionalGeneration"]
+    nested = {"architectures": arch, "text_config": dict(HYBRID_COMMON)}
     nested["text_config"]["layer_types"] = [LINEAR, FULL, FULL, LINEAR]
     nested["text_config"]["rope_parameters"] = {"rope_theta": 1e7, "partial_rotary_factor": 0.5}
     model_cls = model_class(nested)
