@@ -58,12 +58,16 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+# Below this many weights the oneDNN call costs more than the re-packing it saves.
+MIN_PACKED_WEIGHTS = 1 << 16
+
+
 def pack_linears(model: nn.Module, batch_hint: int = 16) -> int:
-    """Replace every ``nn.Linear`` of ``model`` by a ``PackedLinear``; returns how many."""
+    """Replace each large ``nn.Linear`` of ``model`` by a ``PackedLinear``; returns how many."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
+            if type(child) is nn.Linear and child.weight.numel() >= MIN_PACKED_WEIGHTS:
                 setattr(parent, name, PackedLinear(child, batch_hint))
                 count += 1
     return count
