@@ -96,8 +96,12 @@ class SamplingDefaultsSection(_Section):
 
 
 class LookaheadSection(_Section):
-    enable: bool = Field(False, description="launch step N+1 before resolving step N")
-    min_batch: int = Field(1, ge=1, description="smallest decode batch that uses lookahead")
+    enable: bool = Field(
+        False,
+        description="launch step N+1 before resolving step N (off: on a 2-core CPU it "
+        "pays only for small dense models at batch >= 8; see bench/lookahead.py)",
+    )
+    min_batch: int = Field(8, ge=1, description="smallest decode batch that uses lookahead")
 
 
 class EngineConfig(_Section):

@@ -29,6 +29,8 @@ from hyloop.framework.request import RequestOutput
 
 EOS = 2
 
+MIN1 = "lookahead.min_batch=1"  # exercise the lookahead path at every batch size
+
 
 @pytest.fixture(autouse=True, scope="module")
 def one_intra_op_thread() -> Any:
@@ -144,7 +146,7 @@ def drive(
 def run_pair(ckpt: Path, overrides: list[str], jobs: list[Job]) -> tuple[Run, Run]:
     runs = []
     for enable in (False, True):
-        with LLM(model=ckpt, overrides=[*overrides, f"lookahead.enable={enable}"]) as llm:
+        with LLM(model=ckpt, overrides=[*overrides, f"lookahead.enable={enable}", MIN1]) as llm:
             runs.append(drive(llm.engine, jobs))
     return runs[0], runs[1]
 
@@ -318,6 +320,7 @@ def test_stress_500_requests_dense(tiny_ckpts: dict[str, Path]) -> None:
         "scheduler.prefill_chunk=64",
         "model.max_context=160",
         "lookahead.enable=true",
+        MIN1,
     ]
     with LLM(model=tiny_ckpts["llama"], overrides=overrides) as llm:
         eng = llm.engine
@@ -344,6 +347,7 @@ def test_stress_hybrid_ledger(hybrid_ckpts: dict[str, Path]) -> None:
         "scheduler.prefill_chunk=64",
         "model.max_context=128",
         "lookahead.enable=true",
+        MIN1,
     ]
     with LLM(model=hybrid_ckpts["qwen3_5"], overrides=overrides) as llm:
         eng = llm.engine
@@ -362,6 +366,7 @@ EARLY_FREE = [
     "kv_pool.num_pages=64",
     "scheduler.max_running_requests=4",
     "lookahead.enable=true",
+    MIN1,
 ]
 
 
@@ -466,7 +471,7 @@ def test_hybrid_stop_then_extend_hits_an_exact_track_snapshot(
     results: dict[tuple[bool, bool], tuple[RequestOutput, RequestOutput]] = {}
     stop_id: int | None = None
     for lookahead, cache in ((False, False), (True, True), (False, True)):
-        overrides = [*HYBRID_TURNS, f"lookahead.enable={lookahead}", f"cache.enable={cache}"]
+        overrides = [*HYBRID_TURNS, f"lookahead.enable={lookahead}", MIN1, f"cache.enable={cache}"]
         with LLM(model=ckpt, overrides=overrides) as llm:
             eng = llm.engine
             eng.capture_logits = True

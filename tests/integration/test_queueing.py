@@ -81,6 +81,7 @@ def run_small_pool(
         f"scheduler.max_running_requests={MAX_RUNNING}",
         f"cache.enable={str(cache_enable).lower()}",
         f"lookahead.enable={str(lookahead).lower()}",
+        "lookahead.min_batch=1",
     ]
     llm = LLM(model=ckpt, overrides=overrides)
     try:

@@ -55,7 +55,12 @@ def test_rows_and_keys(eager_outputs) -> None:
 @pytest.mark.parametrize("lookahead", [False, True])
 def test_compiled_and_lookahead_equal_eager(row_ckpt, eager_outputs, lookahead: bool) -> None:
     prompts, ref = eager_outputs
-    overrides = ["graphs.backend=compile", "graphs.buckets=[2,4]", f"lookahead.enable={lookahead}"]
+    overrides = [
+        "graphs.backend=compile",
+        "graphs.buckets=[2,4]",
+        f"lookahead.enable={lookahead}",
+        "lookahead.min_batch=1",
+    ]
     with LLM(model=row_ckpt, overrides=overrides) as llm:
         outs = llm.generate(prompts, PARAMS, use_tqdm=False)
         llm.engine.check_invariants()

@@ -189,7 +189,7 @@ def test_same_seed_same_tokens_under_lookahead(llm: LLM, tiny_ckpts: dict[str, P
     prompts.insert(2, TARGET_PROMPT)
     params.insert(2, TARGET)
     plain = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    overrides = [*LLM_OVERRIDES, "lookahead.enable=true"]
+    overrides = [*LLM_OVERRIDES, "lookahead.enable=true", "lookahead.min_batch=1"]
     with LLM(model=tiny_ckpts["llama"], overrides=overrides) as ahead:
         assert [o.token_ids for o in ahead.generate(prompts, params, use_tqdm=False)] == plain
     assert plain[2] == alone
