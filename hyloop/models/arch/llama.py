@@ -13,12 +13,12 @@ import torch
 from torch import nn
 
 from hyloop.graphs.context import StepContext
+from hyloop.models.arch.base import DecoderLM
 from hyloop.models.layers.attention import PagedAttention
 from hyloop.models.layers.mlp import GatedMLP
 from hyloop.models.layers.norm import RMSNorm
 from hyloop.models.layers.rope import RopeSpec, RotaryEmbedding
 from hyloop.models.registry import register, text_config
-from hyloop.models.weights import StackedParam
 
 
 @dataclass(frozen=True)
@@ -137,13 +137,8 @@ class DecoderBody(nn.Module):
 
 
 @register("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
-class DenseCausalLM(nn.Module):
+class DenseCausalLM(DecoderLM):
     """``forward(ctx) -> hidden [B, T, H]``; ``compute_logits(hidden [N, H]) -> fp32 [N, V]``."""
-
-    stacked_params = (
-        StackedParam("qkv_proj", ("q_proj", "k_proj", "v_proj")),
-        StackedParam("gate_up_proj", ("gate_proj", "up_proj")),
-    )
 
     def __init__(self, hf_config: dict[str, Any]) -> None:
         super().__init__()
@@ -154,22 +149,3 @@ class DenseCausalLM(nn.Module):
         self.num_kv_layers = self.spec.num_layers
         self.kv_heads = self.spec.num_kv_heads
         self.head_dim = self.spec.head_dim
-
-    def tie_weights(self) -> None:
-        if self.spec.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    @property
-    def tied_weights(self) -> dict[str, str]:
-        return (
-            {"lm_head.weight": "model.embed_tokens.weight"} if self.spec.tie_word_embeddings else {}
-        )
-
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        x = self.model.embed_tokens(ctx.input_ids)
-        for layer in self.model.layers:
-            x = layer(x, ctx)
-        return x
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(hidden)).float()

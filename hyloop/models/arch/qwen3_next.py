@@ -16,13 +16,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyloop.graphs.context import StepContext
+from hyloop.models.arch.base import DecoderLM
 from hyloop.models.layers.attention import PagedAttention
 from hyloop.models.layers.gdn import GatedDeltaNet, GDNDims
 from hyloop.models.layers.mlp import GatedMLP
 from hyloop.models.layers.norm import RMSNorm
 from hyloop.models.layers.rope import RopeSpec, RotaryEmbedding
 from hyloop.models.registry import register, text_config
-from hyloop.models.weights import StackedParam
 from hyloop.pools.recurrent_pool import RecurrentPool
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -210,7 +210,7 @@ class HybridBody(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, zero_centered=True)
 
 
-class HybridCausalLM(nn.Module):
+class HybridCausalLM(DecoderLM):
     """``forward(ctx) -> hidden [B, T, H]``; ``compute_logits(hidden [N, H]) -> fp32 [N, V]``.
 
     Needs a KV pool of ``num_kv_layers`` layers and a recurrent pool of
@@ -218,10 +218,6 @@ class HybridCausalLM(nn.Module):
     """
 
     moe = False
-    stacked_params = (
-        StackedParam("qkv_proj", ("q_proj", "k_proj", "v_proj")),
-        StackedParam("gate_up_proj", ("gate_proj", "up_proj")),
-    )
 
     def __init__(self, hf_config: dict[str, Any]) -> None:
         super().__init__()
@@ -233,16 +229,6 @@ class HybridCausalLM(nn.Module):
         self.num_recurrent_layers = self.spec.layer_types.count(LINEAR)
         self.kv_heads = self.spec.num_kv_heads
         self.head_dim = self.spec.head_dim
-
-    def tie_weights(self) -> None:
-        if self.spec.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    @property
-    def tied_weights(self) -> dict[str, str]:
-        return (
-            {"lm_head.weight": "model.embed_tokens.weight"} if self.spec.tie_word_embeddings else {}
-        )
 
     def rename_weight(self, name: str) -> str | None:
         """VL checkpoints keep the text model under ``model.language_model``; vision is skipped."""
@@ -267,15 +253,6 @@ class HybridCausalLM(nn.Module):
             conv_dtype=conv_dtype,
             device=device,
         )
-
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        x = self.model.embed_tokens(ctx.input_ids)
-        for layer in self.model.layers:
-            x = layer(x, ctx)
-        return x
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(hidden)).float()
 
 
 @register("Qwen3NextForCausalLM")
