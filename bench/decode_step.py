@@ -15,7 +15,6 @@ bandwidth measured in the same run by a torch ``sum`` over 1 GiB on the same dev
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -29,22 +28,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
 
+from common import parse_batches, read_bandwidth, write_json  # noqa: E402
+
 from hyloop import LLM, SamplingParams  # noqa: E402
-
-
-def read_bandwidth(device: torch.device, gib: float = 1.0, reps: int = 5) -> float:
-    """Bytes/s of a streaming read: best of ``reps`` sums over a ``gib`` GiB fp32 tensor."""
-    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32, device=device)
-    x.sum()  # fault the pages in / warm the kernel
-    best = float("inf")
-    for _ in range(reps):
-        _sync(device)
-        t0 = time.perf_counter()
-        x.sum()
-        _sync(device)
-        best = min(best, time.perf_counter() - t0)
-    del x
-    return int(gib * 2**30) / best
 
 
 def _sync(device: torch.device) -> None:
@@ -271,7 +257,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.models = args.models.split(",")
     quick_batches, full_batches = "1,4", "1,16,32"
     batches = args.batches or (quick_batches if args.quick else full_batches)
-    args.batches = [int(b) for b in batches.split(",")]
+    args.batches = parse_batches(p, batches)
     args.new_tokens = args.new_tokens or (8 if args.quick else 64)
     if args.new_tokens < 2:
         raise SystemExit(f"--new-tokens: got {args.new_tokens}; expected >= 2 (one decode step)")
@@ -286,8 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         print_row(row)
     for note in result["skipped"]:
         print(f"skipped {note}")
-    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.json}")
+    write_json(result, args.json)
     return 0
 
 

@@ -16,7 +16,6 @@ the bandwidth measured in the same run (a torch ``sum`` over 1 GiB on all thread
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -28,6 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+from common import parse_batches, read_bandwidth, write_json  # noqa: E402
+
 from hyloop import LLM, SamplingParams  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -37,18 +38,6 @@ TEXT = (
     "running in more than two hundred cities, and the number of books in Europe grew into the "
     "millions. Scholars argued about the effects on religion, science and the spread of news."
 )
-
-
-def read_bandwidth(gib: float = 1.0, reps: int = 5) -> float:
-    """Bytes/s of a streaming read: best of ``reps`` sums over a ``gib`` GiB fp32 tensor."""
-    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
-    x.sum()  # fault the pages in
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
-    return x.numel() * 4 / best
 
 
 def make_prompts(llm: LLM, batch: int, length: int) -> list[list[int]]:
@@ -246,12 +235,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [d for d in args.dtypes if d not in DTYPES]
     if bad:
         p.error(f"--dtypes: {bad} not in {sorted(DTYPES)}")
-    try:
-        args.batches = [int(b) for b in args.batches.split(",")]
-    except ValueError:
-        p.error(f"--batches: {args.batches!r} is not a comma-separated list of ints")
-    if any(b < 1 for b in args.batches):
-        p.error(f"--batches: {args.batches} must all be >= 1")
+    args.batches = parse_batches(p, args.batches)
     if args.new_tokens is None:
         args.new_tokens = 16 if args.quick else 64
     if args.new_tokens < 2:
@@ -262,9 +246,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result = bench(args)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json}", file=sys.stderr)
+    write_json(result, args.json)
     return 0
 
 

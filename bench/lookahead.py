@@ -19,7 +19,6 @@ the resolve share the cores; ``--threads 1`` leaves the resolve thread a core of
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -32,6 +31,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
+
+from common import parse_batches, write_json  # noqa: E402
 
 from hyloop import LLM, SamplingParams  # noqa: E402
 
@@ -206,12 +207,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if bad:
         p.error(f"--models: {bad} not in {list(MODELS)}")
     batches = args.batches or ("1,4" if args.quick else "1,8,32")
-    try:
-        args.batches = [int(b) for b in batches.split(",")]
-    except ValueError:
-        p.error(f"--batches: {batches!r} is not a comma-separated list of ints")
-    if any(b < 1 for b in args.batches):
-        p.error(f"--batches: {args.batches} must all be >= 1")
+    args.batches = parse_batches(p, batches)
     if args.new_tokens is None:
         args.new_tokens = 8 if args.quick else 64
     if args.new_tokens < 5:
@@ -222,9 +218,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result = bench(args)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json}", file=sys.stderr)
+    write_json(result, args.json)
     return 0
 
 
