@@ -10,7 +10,9 @@ artifact, then a timed wave of greedy tokens (EOS ignored); figures are engine-c
 that wave: decode tok/s and wall time per decode step (wave wall time less prefill time), host
 time per step left exposed (``host_exposed_time / decode_steps``, plus the wait for a resolve,
 ``lookahead_wait_s``, with lookahead) and the resolve time lookahead hid behind a running step
-(``lookahead_hidden_host_s``). Ratios compare the two modes of one run. On a CPU the step and
+(``lookahead_hidden_host_s``). Both engines live in one process and their timed waves alternate
+for ``--rounds`` rounds; the table shows medians, and the tok/s ratio is the median of the
+per-round ratios, so drift in the machine's speed hits both modes alike. On a CPU the step and
 the resolve share the cores; ``--threads 1`` leaves the resolve thread a core of its own.
 
     python bench/lookahead.py --json /tmp/lookahead.json [--quick] [--models small,hybrid]
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -89,12 +92,17 @@ def overrides(args: argparse.Namespace, lookahead: bool) -> list[str]:
 COUNTERS = ("decode_time", "decode_steps", "decode_tokens", "host_exposed_time", "step_exec_time")
 
 
-def run_wave(llm: LLM, batch: int, new_tokens: int, wave: int) -> dict[str, Any]:
-    """A warm-up wave (compiles the bucket), then the timed wave; decode-only figures."""
+def run_wave(llm: LLM, batch: int, new_tokens: int, wave: int, rnd: int) -> dict[str, Any]:
+    """Round 0 starts with a warm-up wave (compiles the bucket); then the timed wave.
+
+    Figures are decode-only. Each round's prompts are new (same shared prefix, fresh suffixes),
+    so every wave inserts into and matches against the tree.
+    """
     vocab = llm.engine.vocab_size
-    warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    llm.generate(make_prompts(vocab, batch, 2 * wave), warm, use_tqdm=False)
-    prompts = make_prompts(vocab, batch, 2 * wave + 1)
+    if rnd == 0:
+        warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        llm.generate(make_prompts(vocab, batch, 1000 * wave), warm, use_tqdm=False)
+    prompts = make_prompts(vocab, batch, 1000 * wave + rnd + 1)
     s0 = dict(llm.stats())
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     t0 = time.perf_counter()
@@ -136,26 +144,23 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     print(HEADER, flush=True)
     for name in args.models:
-        per_mode: dict[bool, dict[int, dict[str, Any]]] = {}
-        for lookahead in (False, True):
-            with LLM(model=ckpts[name], overrides=overrides(args, lookahead)) as llm:
-                per_mode[lookahead] = {
-                    b: run_wave(llm, b, args.new_tokens, wave)
-                    for wave, b in enumerate(args.batches)
-                }
-        for b in args.batches:
-            off, on = per_mode[False][b], per_mode[True][b]
-            row = {
-                "model": name,
-                "batch": b,
-                "off": {k: v for k, v in off.items() if k != "token_ids"},
-                "on": {k: v for k, v in on.items() if k != "token_ids"},
-                "tok_s_ratio": on["tok_s"] / off["tok_s"],
-                "step_ms_ratio": on["step_ms"] / off["step_ms"],
-                "same_tokens": on["token_ids"] == off["token_ids"],
-            }
-            rows.append(row)
-            print_row(row)
+        # Both engines live at once and their timed waves alternate, round by round, so drift in
+        # the machine's speed (shared cores, frequency) hits both modes alike; figures are the
+        # medians over the rounds, the ratio the median of the per-round ratios.
+        with (
+            LLM(model=ckpts[name], overrides=overrides(args, False)) as off_llm,
+            LLM(model=ckpts[name], overrides=overrides(args, True)) as on_llm,
+        ):
+            for wave, b in enumerate(args.batches):
+                runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+                for r in range(args.rounds):
+                    order = (False, True) if r % 2 == 0 else (True, False)
+                    for lookahead in order:
+                        llm = on_llm if lookahead else off_llm
+                        runs[lookahead].append(run_wave(llm, b, args.new_tokens, wave, r))
+                row = summarize(name, b, runs[False], runs[True])
+                rows.append(row)
+                print_row(row)
     tmp.cleanup()
     return {
         "bench": "lookahead",
@@ -172,10 +177,40 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def summarize(
+    name: str, batch: int, off_runs: list[dict[str, Any]], on_runs: list[dict[str, Any]]
+) -> dict[str, Any]:
+    def med(runs: list[dict[str, Any]]) -> dict[str, Any]:
+        keys = [k for k, v in runs[0].items() if isinstance(v, float)]
+        out = {k: statistics.median(r[k] for r in runs) for k in keys}
+        out["recompiles"] = runs[-1]["recompiles"]
+        out["graph_replays"] = sum(r["graph_replays"] for r in runs)
+        out["decode_steps"] = sum(r["decode_steps"] for r in runs)
+        return out
+
+    off, on = med(off_runs), med(on_runs)
+    ratios = [b["tok_s"] / a["tok_s"] for a, b in zip(off_runs, on_runs, strict=True)]
+    host_drop = 1.0 - on["host_exposed_ms"] / off["host_exposed_ms"]
+    return {
+        "model": name,
+        "batch": batch,
+        "rounds": len(off_runs),
+        "off": off,
+        "on": on,
+        "tok_s_ratio": statistics.median(ratios),
+        "tok_s_ratios": ratios,
+        "step_ms_ratio": on["step_ms"] / off["step_ms"],
+        "host_exposed_drop": host_drop,
+        "same_tokens": all(
+            a["token_ids"] == b["token_ids"] for a, b in zip(off_runs, on_runs, strict=True)
+        ),
+    }
+
+
 HEADER = (
     f"{'model':>8} {'batch':>5} {'tok/s off':>9} {'tok/s on':>9} {'ratio':>6} "
     f"{'ms/step off':>11} {'ms/step on':>10} {'host ms off':>11} {'host ms on':>10} "
-    f"{'wait ms':>7} {'hidden ms':>9} {'same':>5}"
+    f"{'drop':>5} {'wait ms':>7} {'hidden ms':>9} {'same':>5}"
 )
 
 
@@ -185,6 +220,7 @@ def print_row(row: dict[str, Any]) -> None:
         f"{row['model']:>8} {row['batch']:>5} {off['tok_s']:>9.1f} {on['tok_s']:>9.1f} "
         f"{row['tok_s_ratio']:>6.2f} {off['step_ms']:>11.2f} {on['step_ms']:>10.2f} "
         f"{off['host_exposed_ms']:>11.2f} {on['host_exposed_ms']:>10.2f} "
+        f"{row['host_exposed_drop']:>5.0%} "
         f"{on['resolve_wait_ms']:>7.2f} {on['hidden_host_ms']:>9.2f} "
         f"{str(row['same_tokens']):>5}",
         flush=True,
@@ -199,6 +235,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batches", default=None, help="comma-separated (default 1,8,32)")
     p.add_argument("--new-tokens", type=int, default=None, help="default 64 (--quick: 8)")
     p.add_argument("--backend", default="compile", help="graphs.backend (eager, compile, ...)")
+    p.add_argument("--rounds", type=int, default=None, help="timed waves per mode (default 5)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: default)")
     args = p.parse_args(argv)
     models = args.models or ("small,hybrid" if args.quick else ",".join(MODELS))
@@ -210,6 +247,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.batches = parse_batches(p, batches)
     if args.new_tokens is None:
         args.new_tokens = 8 if args.quick else 64
+    if args.rounds is None:
+        args.rounds = 2 if args.quick else 5
+    if args.rounds < 1:
+        p.error(f"--rounds: {args.rounds}; expected >= 1")
     if args.new_tokens < 5:
         p.error(f"--new-tokens: {args.new_tokens}; expected >= 5 (a few decode steps to time)")
     return args

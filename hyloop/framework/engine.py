@@ -374,8 +374,7 @@ class Engine:
         track = 0
         if self.lookahead is not None:
             self.lookahead.check_inflight()
-            if self.lookahead.inflight is not None:
-                track = sum(1 for c in self.lookahead.inflight.batch.chunks if c.track_slot)
+            track = self.lookahead.track_held()
         self.memory.check(self.scheduler.running, track_held=track)
 
     def stats(self) -> dict[str, Any]:

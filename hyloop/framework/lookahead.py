@@ -2,15 +2,20 @@
 
 While step N+1 runs, a lookahead thread resolves step N: it copies the step's outputs out of the
 reused buffers, appends tokens, runs stop checks, commits track snapshots and finished sequences
-to the UHRC, releases what finished requests held and builds outputs.
+to the UHRC, releases what finished requests held and builds outputs. It then plans step N+2
+(which requests continue, their track slots, the step's input tensors), so that the scheduler
+thread only binds N+2's input ids (on device, from N+1's output) and launches it.
 
 Ownership, in code:
-- Hand-off: the scheduler thread plans and prepares step N+1 (admission, track slots, inputs)
-  while the lookahead thread is idle; only then is ``resolve(N)`` submitted, and the scheduler
-  thread joins it before planning again. The tree and the pools are thus mutated by one thread
-  at a time. NOTE: ``commit`` may rewrite a running request's req->token row while step N+1
-  reads it; both the old and the new page of such a position hold the same KV, and the old page
-  stays pending-free until N+1 completes, so either read is correct.
+- Hand-off: the scheduler thread submits ``resolve(N) + plan(N+2)`` and then executes step N+1,
+  which touches no pool, tree or request bookkeeping; it joins the lookahead thread before it
+  returns from ``step()``. Between two ``step()`` calls the lookahead thread is idle, so user
+  calls (``add_request``, ``abort_request``) never race it. The tree and the pools are thus
+  mutated by one thread at a time. NOTE: ``commit`` may rewrite a running request's req->token
+  row while step N+1 reads it; both the old and the new page of such a position hold the same
+  KV, and the old page stays pending-free until N+1 completes, so either read is correct.
+- A plan is always launched by the next ``step()``: a request aborted after its plan was made
+  rides along (its token is discarded), and what it frees waits on the plan's generation.
 - Deferred frees: anything freed while step G is in flight (pages, table rows, state slots, the
   pages the tree drops as duplicates) is parked under generation G and becomes reusable only
   when step G is known complete (``flush_pending(G)`` at the start of ``resolve(G)``).
@@ -40,6 +45,17 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class Plan:
+    """A decode step prepared ahead: everything but its input ids, bound at launch."""
+
+    gen: int
+    batch: Batch
+    rows: torch.Tensor  # row of each chunk in the previous step's output
+    prepared: Any
+    reads: list[tuple[torch.Tensor, int]]  # taken at planning: a release clears req.slots
+
+
+@dataclass
 class Inflight:
     gen: int
     batch: Batch
@@ -54,6 +70,7 @@ class Lookahead:
         self.engine = engine
         self.min_batch = min_batch
         self.inflight: Inflight | None = None
+        self.plan: Plan | None = None  # the step after ``inflight``, ready to launch
         self._gen = 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hyloop-lookahead")
         self.hidden_host_s = 0.0  # resolve time overlapped with a running step
@@ -64,8 +81,18 @@ class Lookahead:
 
     @property
     def defer_gen(self) -> int | None:
-        """Generation frees must wait for (the step in flight), or None."""
+        """Generation frees must wait for (the last step launched or planned), or None."""
+        if self.plan is not None:
+            return self.plan.gen
         return self.inflight.gen if self.inflight is not None else None
+
+    def track_held(self) -> int:
+        """Track slots taken by the steps in flight and planned (not yet committed)."""
+        held = 0
+        for batch in (self.inflight and self.inflight.batch, self.plan and self.plan.batch):
+            if batch is not None:
+                held += sum(1 for c in batch.chunks if c.track_slot)
+        return held
 
     # -- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -81,21 +108,25 @@ class Lookahead:
                 return outputs + eng.run_sync(batch)
             self.inflight = self._launch(batch)
             return outputs
-        nxt = self._continuation(prev)
-        if nxt is None:  # drain: resolve the last step with nothing else in flight
+        t0 = time.perf_counter()
+        plan, self.plan = self.plan, None
+        if plan is None:  # the first continuation after a synchronous launch
+            plan = self._plan(prev.batch)
+        if plan is None:  # drain: resolve the last step with nothing else in flight
             self.inflight = None
             outputs += self._resolve(prev, defer_gen=None)
             return outputs + eng.take_pending_outputs()
-        t0 = time.perf_counter()
-        gen = self._next_gen()
-        prepared = eng.prepare_decode(nxt)  # host work for N+1 while the thread is idle
-        future: Future[list[RequestOutput]] = self._pool.submit(self._resolve, prev, gen)
-        self.inflight = self._execute(nxt, prepared, gen, t0)
+        prepared = self._bind_ids(plan, prev)
+        future: Future[tuple[list[RequestOutput], Plan | None]] = self._pool.submit(
+            self._resolve_and_plan, prev, plan
+        )
+        self.inflight = self._execute(plan.batch, prepared, plan.gen, t0, plan.reads)
         t_wait = time.perf_counter()
-        outputs += future.result()
+        resolved, self.plan = future.result()
+        outputs += resolved
         wait = time.perf_counter() - t_wait
         self.exposed_wait_s += wait
-        eng.stats_.host_exposed_time += wait  # the part of resolve(N) not hidden by step N+1
+        eng.stats_.host_exposed_time += wait  # the part of the thread's work not hidden
         eng.stats_.decode_time += wait
         return outputs + eng.take_pending_outputs()
 
@@ -103,32 +134,54 @@ class Lookahead:
         self._gen += 1
         return self._gen
 
-    def _continuation(self, prev: Inflight) -> Batch | None:
-        """Step N+1 over the requests of step N still alive, or None to drain."""
+    def _plan(self, batch: Batch) -> Plan | None:
+        """Prepare the decode step after ``batch`` over its requests still alive, or None to
+        drain (admissions are waiting, or the running set changed)."""
         eng = self.engine
         sched = eng.scheduler
         if sched.waiting and len(sched.running) < sched.max_running:
             return None  # admissions need a prefill step: drain first
-        in_prev = {id(c.req) for c in prev.batch.chunks}
-        if any(id(r) not in in_prev for r in sched.running):
+        in_batch = {id(c.req) for c in batch.chunks}
+        if any(id(r) not in in_batch for r in sched.running):
             return None
         rows: list[int] = []
         chunks: list[Chunk] = []
-        for i, c in enumerate(prev.batch.chunks):
+        for i, c in enumerate(batch.chunks):
             req = c.req
             if req.status is not Status.RUNNING or req.num_sampled >= req.max_new:
-                continue  # finished (known), or step N sampled its last token
+                continue  # finished (known), or the step sampled its last token
             rows.append(i)
             start = len(req.prompt_ids) + req.num_sampled - 1
             chunks.append(Chunk(req, start, 1, out_pos=req.num_sampled))
         if len(chunks) < self.min_batch:
             return None
-        source = (
-            prev.result.next_rows if prev.result.next_rows is not None else prev.result.next_ids
-        )
-        index = torch.tensor(rows, dtype=torch.int64, device=source.device)
-        ids = source.index_select(0, index)  # on device: no host round trip
-        return Batch(chunks, is_decode=True, input_ids=ids)
+        nxt = Batch(chunks, is_decode=True, input_ids=self._placeholder_ids(len(chunks)))
+        prepared = eng.prepare_decode(nxt)
+        index = torch.tensor(rows, dtype=torch.int64, device=eng.runner.device)
+        return Plan(self._next_gen(), nxt, index, prepared, _reads(nxt))
+
+    def _placeholder_ids(self, size: int) -> torch.Tensor:
+        """Input ids of a planned step until ``_bind_ids`` sets them."""
+        runner = self.engine.runner
+        return torch.zeros(size, *runner.row_shape, dtype=torch.int64, device=runner.device)
+
+    def _bind_ids(self, plan: Plan, prev: Inflight) -> Any:
+        """The plan's input ids, gathered on device from step ``prev``'s output."""
+        res = prev.result
+        source = res.next_rows if res.next_rows is not None else res.next_ids
+        ids = source.index_select(0, plan.rows)  # no host round trip
+        plan.batch.input_ids = ids
+        return self.engine.runner.bind_input_ids(plan.prepared, ids)
+
+    def _resolve_and_plan(
+        self, prev: Inflight, running: Plan
+    ) -> tuple[list[RequestOutput], Plan | None]:
+        """Lookahead thread: resolve ``prev`` while ``running`` executes, then plan the next."""
+        outs = self._resolve(prev, running.gen)
+        t0 = time.perf_counter()
+        plan = self._plan(running.batch)
+        self.hidden_host_s += time.perf_counter() - t0
+        return outs, plan
 
     def _launch(self, batch: Batch) -> Inflight:
         t0 = time.perf_counter()
@@ -136,9 +189,16 @@ class Lookahead:
         prepared = self.engine.prepare_decode(batch)
         return self._execute(batch, prepared, gen, t0)
 
-    def _execute(self, batch: Batch, prepared: Any, gen: int, t0: float) -> Inflight:
+    def _execute(
+        self,
+        batch: Batch,
+        prepared: Any,
+        gen: int,
+        t0: float,
+        reads: list[tuple[torch.Tensor, int]] | None = None,
+    ) -> Inflight:
         eng = self.engine
-        reads = [(c.req.slots, c.start + 1) for c in batch.chunks]
+        reads = _reads(batch) if reads is None else reads
         t_exec = time.perf_counter()
         result = eng.runner.execute(prepared, keep_logits=eng.capture_logits)
         host_ids, event = _host_copy(result.next_ids)
@@ -173,24 +233,34 @@ class Lookahead:
         prev = self.inflight
         if prev is None:
             return
-        alloc = self.engine.kv_alloc
-        for slots, upto in prev.reads:
-            pages = (slots[:upto] // alloc.page_size).numpy()
-            free = alloc.is_free_page(pages)
-            if free.any():
-                page = int(pages[np.argmax(free)])
-                raise AssertionError(
-                    f"page {page} is free while launched step {prev.gen} still reads it"
-                )
+        self._check_reads(prev.gen, prev.reads)
+        if self.plan is not None:
+            self._check_reads(self.plan.gen, self.plan.reads)
         pool = self.engine.memory.recurrent
         if pool is not None:
             from hyloop.pools import SlotRole
 
-            for c in prev.batch.chunks:
-                if c.req.state_slot and pool.role_of(c.req.state_slot) is SlotRole.FREE:
-                    raise AssertionError(
-                        f"state slot {c.req.state_slot} is free while step {prev.gen} uses it"
-                    )
+            for batch in (prev.batch, self.plan and self.plan.batch):
+                for c in batch.chunks if batch is not None else ():
+                    if c.req.state_slot and pool.role_of(c.req.state_slot) is SlotRole.FREE:
+                        raise AssertionError(
+                            f"state slot {c.req.state_slot} is free while a launched or "
+                            f"planned step uses it"
+                        )
+
+    def _check_reads(self, gen: int, reads: list[tuple[torch.Tensor, int]]) -> None:
+        alloc = self.engine.kv_alloc
+        for slots, upto in reads:
+            pages = (slots[:upto] // alloc.page_size).numpy()
+            free = alloc.is_free_page(pages)
+            if free.any():
+                page = int(pages[np.argmax(free)])
+                raise AssertionError(f"page {page} is free while step {gen} still reads it")
+
+
+def _reads(batch: Batch) -> list[tuple[torch.Tensor, int]]:
+    """What a decode step reads of each request's req->token row: its slots up to the new one."""
+    return [(c.req.slots, c.start + 1) for c in batch.chunks]
 
 
 def _host_copy(next_ids: torch.Tensor) -> tuple[torch.Tensor, Any]:

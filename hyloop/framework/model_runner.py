@@ -6,6 +6,7 @@ forward, last-token logits, sampling and logprobs, all tensor ops with no host s
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -285,6 +286,14 @@ class ModelRunner:
         if batch.is_decode and self.graph_runner is not None:
             return self.decode_inputs(batch)
         return self.build_context(batch), self.build_sampling(batch)
+
+    def bind_input_ids(self, prepared: Any, ids: torch.Tensor) -> Any:
+        """Set the input ids (``[B]`` or ``[B, C]``, on device) of a prepared decode step."""
+        ids = ids.view(-1, 1, *self.row_shape)
+        if isinstance(prepared, StepInputs):
+            return dataclasses.replace(prepared, input_ids=ids)
+        ctx, st = prepared
+        return dataclasses.replace(ctx, input_ids=ids), st
 
     @torch.inference_mode()
     def execute(self, prepared: Any, keep_logits: bool = False) -> StepOutput:
