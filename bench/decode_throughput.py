@@ -10,7 +10,7 @@ At batch 1 the step is bound by reading the weights once, so the table also show
 of that floor reached: ``weight_bytes / read_bandwidth`` over the measured time per token, with
 the bandwidth measured in the same run (a torch ``sum`` over 1 GiB on all threads).
 
-    python bench/decode_throughput.py [--quick] [--json PATH] [--model CKPT] [--backend eager]
+    python bench/decode_throughput.py [--quick] [--json PATH] [--model CKPT] [--backend auto]
 """
 
 from __future__ import annotations
@@ -225,7 +225,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="fewer new tokens (a smoke run)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--model", help="HF checkpoint dir or .gguf (default: SmolLM2-135M GGUF)")
-    p.add_argument("--backend", default="eager", help="hyloop graphs.backend override")
+    p.add_argument("--backend", default="auto", help="hyloop graphs.backend override")
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated")
     p.add_argument("--batches", default="1,16", help="comma-separated batch sizes")
     p.add_argument("--new-tokens", type=int, default=None, help="default 64 (--quick: 16)")

@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     args.overrides = [*args.overrides, *extra]
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if not getattr(args, "no_progress", False):  # a bucket's first capture can take a while
+        logging.getLogger("hyloop.graphs").setLevel(logging.INFO)
     try:
         if args.command == "generate":
             from hyloop.recipes.offline import run_generate

@@ -57,7 +57,8 @@ class CacheSection(_Section):
 
 class GraphsSection(_Section):
     backend: Literal["auto", "eager", "compile", "cuda_graph"] = Field(
-        "eager", description="how the decode step runs; auto picks the fastest correct one"
+        "auto",
+        description="how the decode step runs; auto: cuda_graph on CUDA, compile on CPU",
     )
     buckets: list[int] = Field(
         default_factory=lambda: [1, 2, 4, 8, 16, 32], description="decode batch buckets"

@@ -127,6 +127,7 @@ class BucketRunner:
         if artifact is not None:
             return artifact
         start = time.perf_counter()
+        log.info("%s: capturing %s with %s (first use)", self.name, key.label(), self.backend)
         static = self.static.view(
             key.batch, kv_len=key.kv_len, filtered=key.filtered, num_logprobs=key.num_logprobs
         )

@@ -15,7 +15,12 @@ from hyloop import LLM, SamplingParams
 from hyloop.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
-OVERRIDES = ["kv_pool.page_size=4", "kv_pool.num_pages=256", "model.max_context=128"]
+OVERRIDES = [
+    "graphs.backend=eager",
+    "kv_pool.page_size=4",
+    "kv_pool.num_pages=256",
+    "model.max_context=128",
+]
 ROWS: list[dict[str, Any]] = [
     {"id": "first", "prompt_token_ids": [5, 6, 7, 8], "max_tokens": 6, "ignore_eos": True},
     {"prompt_token_ids": [90] * 20, "temperature": 0.9, "seed": 4, "max_tokens": 9},

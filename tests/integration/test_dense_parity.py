@@ -37,6 +37,7 @@ def test_greedy_matches_transformers(tiny_ckpts, prompts, arch: str, page_size: 
     hf = load_hf_model(tiny_ckpts[arch])
     refs = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
     overrides = [
+        "graphs.backend=eager",
         f"kv_pool.page_size={page_size}",
         "kv_pool.num_pages=512",
         "scheduler.prefill_chunk=32",

@@ -20,6 +20,7 @@ from hyloop.framework.config import ConfigError
 
 MAX_CONTEXT = 64
 OVERRIDES = [
+    "graphs.backend=eager",
     "kv_pool.page_size=4",
     "kv_pool.num_pages=64",
     f"model.max_context={MAX_CONTEXT}",

@@ -33,7 +33,7 @@ def test_greedy_matches_transformers(hybrid_ckpts, arch: str) -> None:
     prompts = [rand_ids(n, i) for i, n in enumerate([5, 63, 64, 65, 130, 200])]
     hf = load_hf_model(hybrid_ckpts[arch])
     refs = [hf_greedy(hf, p, GREEDY.max_tokens) for p in prompts]
-    overrides = ["scheduler.prefill_chunk=64", "kv_pool.num_pages=2048"]
+    overrides = ["graphs.backend=eager", "scheduler.prefill_chunk=64", "kv_pool.num_pages=2048"]
     with LLM(model=hybrid_ckpts[arch], overrides=overrides) as llm:
         llm.engine.capture_logits = True
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -69,7 +69,12 @@ def test_multi_turn_hits_end_snapshot(hybrid_ckpts, arch: str) -> None:
     turn1 = rand_ids(90, 7)
     results = {}
     for enable in (True, False):
-        overrides = ["kv_pool.page_size=1", "scheduler.prefill_chunk=64", f"cache.enable={enable}"]
+        overrides = [
+            "graphs.backend=eager",
+            "kv_pool.page_size=1",
+            "scheduler.prefill_chunk=64",
+            f"cache.enable={enable}",
+        ]
         with LLM(model=hybrid_ckpts[arch], overrides=overrides) as llm:
             llm.engine.capture_logits = True
             out1, _, _ = _run_one(llm, turn1, 12)
@@ -96,6 +101,7 @@ def test_shared_prefix_hits_last_track_boundary(hybrid_ckpts, arch: str) -> None
     results = {}
     for enable in (True, False):
         overrides = [
+            "graphs.backend=eager",
             "kv_pool.page_size=16",
             "recurrent_pool.track_interval=64",
             "scheduler.prefill_chunk=128",
@@ -120,6 +126,7 @@ def test_randomized_workload_ledger(hybrid_ckpts, page_size: int) -> None:
     rng = random.Random(page_size)
     bases = [rand_ids(rng.randint(20, 120), 100 + i) for i in range(6)]
     overrides = [
+        "graphs.backend=eager",
         f"kv_pool.page_size={page_size}",
         "kv_pool.num_pages=" + str(1 + 3000 // page_size),
         "recurrent_pool.num_slots=24",

@@ -314,6 +314,7 @@ def drive_with_step_aborts(eng: Engine, jobs: list[Job], aborts: dict[int, str])
 def test_stress_500_requests_dense(tiny_ckpts: dict[str, Path]) -> None:
     jobs, aborts = stress_jobs(500, seed=3, max_tokens=64)
     overrides = [
+        "graphs.backend=eager",
         "kv_pool.page_size=1",  # the tree keeps every token: the strictest post-stop check
         "kv_pool.num_pages=3000",
         "scheduler.max_running_requests=32",
@@ -339,6 +340,7 @@ def test_stress_hybrid_ledger(hybrid_ckpts: dict[str, Path]) -> None:
     """The hybrid variant: state slots and track snapshots come back too."""
     jobs, aborts = stress_jobs(100, seed=4, max_tokens=32)
     overrides = [
+        "graphs.backend=eager",
         "kv_pool.page_size=1",
         "kv_pool.num_pages=1200",
         "recurrent_pool.num_slots=24",
@@ -362,6 +364,7 @@ def test_stress_hybrid_ledger(hybrid_ckpts: dict[str, Path]) -> None:
 # -- a page freed while the launched step reads it is caught ---------------------------------------
 
 EARLY_FREE = [
+    "graphs.backend=eager",
     "kv_pool.page_size=4",
     "kv_pool.num_pages=64",
     "scheduler.max_running_requests=4",
@@ -439,6 +442,7 @@ def test_abort_during_flight_is_deferred_and_clean(tiny_ckpts: dict[str, Path]) 
 
 TRACK = 16
 HYBRID_TURNS = [
+    "graphs.backend=eager",
     "kv_pool.page_size=16",
     f"recurrent_pool.track_interval={TRACK}",
     "scheduler.prefill_chunk=32",

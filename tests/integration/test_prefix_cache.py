@@ -26,7 +26,11 @@ def test_shared_prefix_is_computed_once(tiny_ckpts, page_size: int) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     runs = {}
     for enable in (True, False):
-        overrides = [f"kv_pool.page_size={page_size}", f"cache.enable={enable}"]
+        overrides = [
+            "graphs.backend=eager",
+            f"kv_pool.page_size={page_size}",
+            f"cache.enable={enable}",
+        ]
         with LLM(model=tiny_ckpts["llama"], overrides=overrides) as llm:
             outs = llm.generate(prompts, params, use_tqdm=False)
             llm.engine.check_invariants()
@@ -48,11 +52,15 @@ def test_multi_turn_reuses_the_whole_conversation(tiny_ckpts) -> None:
     g = torch.Generator().manual_seed(9)
     turn1 = torch.randint(3, 256, (50,), generator=g).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    with LLM(model=tiny_ckpts["qwen3"], overrides=["kv_pool.page_size=1"]) as llm:
+    with LLM(
+        model=tiny_ckpts["qwen3"], overrides=["graphs.backend=eager", "kv_pool.page_size=1"]
+    ) as llm:
         out1 = llm.generate([turn1], params, use_tqdm=False)[0]
         turn2 = turn1 + out1.token_ids + [5, 6, 7]
         out2 = llm.generate([turn2], params, use_tqdm=False)[0]
         llm.engine.check_invariants()
         assert out2.num_cached_tokens == len(turn1) + len(out1.token_ids) - 1
-    with LLM(model=tiny_ckpts["qwen3"], overrides=["cache.enable=false"]) as llm:
+    with LLM(
+        model=tiny_ckpts["qwen3"], overrides=["graphs.backend=eager", "cache.enable=false"]
+    ) as llm:
         assert llm.generate([turn2], params, use_tqdm=False)[0].token_ids == out2.token_ids

@@ -22,7 +22,12 @@ MAX_RUNNING = 4
 PAGE_SIZE = 4
 # Page 0 is the padding sink; 24 usable pages (96 tokens) hold one to four requests at a time.
 SMALL_POOL = 25
-COMMON = [f"kv_pool.page_size={PAGE_SIZE}", "model.max_context=64", "scheduler.prefill_chunk=8"]
+COMMON = [
+    "graphs.backend=eager",
+    f"kv_pool.page_size={PAGE_SIZE}",
+    "model.max_context=64",
+    "scheduler.prefill_chunk=8",
+]
 
 
 def workload() -> list[tuple[list[int], SamplingParams]]:
@@ -197,6 +202,7 @@ def test_admission_never_evicts_its_own_prefix_hit(tiny_ckpts: dict[str, Path]) 
     # request holds 4 pages, and a request extending the prefix needs 8 more: the only thing
     # eviction could take is that request's own hit. It must wait instead, then run.
     overrides = [
+        "graphs.backend=eager",
         "kv_pool.page_size=4",
         "kv_pool.num_pages=17",
         "model.max_context=128",

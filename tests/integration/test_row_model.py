@@ -71,7 +71,7 @@ def test_compiled_and_lookahead_equal_eager(row_ckpt, eager_outputs, lookahead: 
 
 def test_prompt_rows_hit_the_cache(row_ckpt) -> None:
     turn1 = rand_rows(20, 50)
-    with LLM(model=row_ckpt, overrides=["kv_pool.page_size=1"]) as llm:
+    with LLM(model=row_ckpt, overrides=["graphs.backend=eager", "kv_pool.page_size=1"]) as llm:
         out1 = llm.generate([turn1], SamplingParams(max_tokens=6), use_tqdm=False)[0]
         turn2 = turn1 + out1.rows + [[5, 1, 1, 1]]
         out2 = llm.generate([turn2], SamplingParams(max_tokens=4), use_tqdm=False)[0]
@@ -82,7 +82,7 @@ def test_prompt_rows_hit_the_cache(row_ckpt) -> None:
 
 
 def test_bad_rows_fail_alone(row_ckpt) -> None:
-    with LLM(model=row_ckpt) as llm:
+    with LLM(model=row_ckpt, overrides=["graphs.backend=eager"]) as llm:
         with pytest.raises(ValueError, match="channel 2 id 40"):
             llm.engine.add_request("bad", [[3, 0, 40, 0]], SamplingParams())
         with pytest.raises(ValueError, match=r"expected \[L, 4\]"):

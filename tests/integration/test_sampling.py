@@ -48,6 +48,7 @@ def ref_logits(small_vocab_ckpt: Path) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def small_llm(small_vocab_ckpt: Path) -> Iterator[LLM]:
     overrides = [
+        "graphs.backend=eager",
         "scheduler.max_running_requests=512",
         "model.max_context=32",
         "kv_pool.num_pages=4096",
@@ -56,7 +57,12 @@ def small_llm(small_vocab_ckpt: Path) -> Iterator[LLM]:
         yield llm
 
 
-LLM_OVERRIDES = ["kv_pool.page_size=4", "kv_pool.num_pages=512", "scheduler.prefill_chunk=16"]
+LLM_OVERRIDES = [
+    "graphs.backend=eager",
+    "kv_pool.page_size=4",
+    "kv_pool.num_pages=512",
+    "scheduler.prefill_chunk=16",
+]
 
 
 @pytest.fixture(scope="module")

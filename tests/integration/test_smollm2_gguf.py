@@ -32,7 +32,12 @@ def gguf_path() -> Path:
 
 @pytest.fixture(scope="module")
 def llm(gguf_path: Path) -> Iterator[LLM]:
-    overrides = ["model.max_context=256", "kv_pool.page_size=16", "kv_pool.num_pages=32"]
+    overrides = [
+        "graphs.backend=eager",
+        "model.max_context=256",
+        "kv_pool.page_size=16",
+        "kv_pool.num_pages=32",
+    ]
     with LLM(model=gguf_path, overrides=overrides) as llm:
         yield llm
 
