@@ -215,11 +215,12 @@ class Engine:
             outputs = self.lookahead.step()
         else:
             outputs = self.take_pending_outputs()
+            t0 = time.perf_counter()
             batch = self.scheduler.next_batch()
             if batch is None:
                 self.check_idle()
             else:
-                outputs += self.run_sync(batch)
+                outputs += self.run_sync(batch, t0)
         for hook in self.step_hooks:
             hook(self)
         return outputs
@@ -236,9 +237,8 @@ class Engine:
                 "(pool too small for it)"
             )
 
-    def run_sync(self, batch: Batch) -> list[RequestOutput]:
-        """Launch and resolve one step on this thread."""
-        t0 = time.perf_counter()
+    def run_sync(self, batch: Batch, t0: float) -> list[RequestOutput]:
+        """Launch and resolve one step on this thread (``t0``: when its scheduling began)."""
         prepared = self.prepare_decode(batch)
         t_exec = time.perf_counter()
         result = self.runner.execute(prepared, keep_logits=self.capture_logits)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -100,13 +101,14 @@ class Lookahead:
         outputs = eng.take_pending_outputs()
         prev = self.inflight
         if prev is None:
+            t0 = time.perf_counter()
             batch = eng.scheduler.next_batch()
             if batch is None:
                 eng.check_idle()
                 return outputs
             if not batch.is_decode or batch.size < self.min_batch:
-                return outputs + eng.run_sync(batch)
-            self.inflight = self._launch(batch)
+                return outputs + eng.run_sync(batch, t0)
+            self.inflight = self._launch(batch, t0)
             return outputs
         t0 = time.perf_counter()
         plan, self.plan = self.plan, None
@@ -115,14 +117,22 @@ class Lookahead:
         if plan is None:  # drain: resolve the last step with nothing else in flight
             self.inflight = None
             outputs += self._resolve(prev, defer_gen=None)
+            exposed = time.perf_counter() - t0  # planning and resolving, nothing overlapped
+            eng.stats_.host_exposed_time += exposed
+            if prev.batch.is_decode:
+                eng.stats_.decode_time += exposed
             return outputs + eng.take_pending_outputs()
         prepared = self._bind_ids(plan, prev)
-        future: Future[tuple[list[RequestOutput], Plan | None]] = self._pool.submit(
-            self._resolve_and_plan, prev, plan
-        )
-        self.inflight = self._execute(plan.batch, prepared, plan.gen, t0, plan.reads)
+        futures: list[Future[tuple[list[RequestOutput], Plan | None]]] = []
+
+        def start() -> None:  # the step's inputs are staged: resolve N and plan N+2 meanwhile
+            futures.append(self._pool.submit(self._resolve_and_plan, prev, plan))
+
+        self.inflight = self._execute(plan.batch, prepared, plan.gen, t0, plan.reads, start)
+        if not futures:
+            start()
         t_wait = time.perf_counter()
-        resolved, self.plan = future.result()
+        resolved, self.plan = futures[0].result()
         outputs += resolved
         wait = time.perf_counter() - t_wait
         self.exposed_wait_s += wait
@@ -183,8 +193,7 @@ class Lookahead:
         self.hidden_host_s += time.perf_counter() - t0
         return outs, plan
 
-    def _launch(self, batch: Batch) -> Inflight:
-        t0 = time.perf_counter()
+    def _launch(self, batch: Batch, t0: float) -> Inflight:
         gen = self._next_gen()
         prepared = self.engine.prepare_decode(batch)
         return self._execute(batch, prepared, gen, t0)
@@ -196,11 +205,12 @@ class Lookahead:
         gen: int,
         t0: float,
         reads: list[tuple[torch.Tensor, int]] | None = None,
+        on_staged: Callable[[], None] | None = None,
     ) -> Inflight:
         eng = self.engine
         reads = _reads(batch) if reads is None else reads
         t_exec = time.perf_counter()
-        result = eng.runner.execute(prepared, keep_logits=eng.capture_logits)
+        result = eng.runner.execute(prepared, eng.capture_logits, on_staged)
         host_ids, event = _host_copy(result.next_ids)
         dt_exec = time.perf_counter() - t_exec
         eng.account(batch, time.perf_counter() - t0, dt_exec)

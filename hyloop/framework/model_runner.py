@@ -7,6 +7,7 @@ forward, last-token logits, sampling and logprobs, all tensor ops with no host s
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -296,10 +297,17 @@ class ModelRunner:
         return dataclasses.replace(ctx, input_ids=ids), st
 
     @torch.inference_mode()
-    def execute(self, prepared: Any, keep_logits: bool = False) -> StepOutput:
+    def execute(
+        self,
+        prepared: Any,
+        keep_logits: bool = False,
+        on_staged: Callable[[], None] | None = None,
+    ) -> StepOutput:
+        """Run a prepared step; ``on_staged`` is called once its inputs are staged, just before
+        the model runs (lookahead starts its host work there)."""
         if isinstance(prepared, StepInputs):
             assert self.graph_runner is not None
-            out = self.graph_runner.run(prepared)
+            out = self.graph_runner.run(prepared, on_staged)
             return StepOutput(
                 next_ids=out["next_ids"],
                 logits=out.get("logits") if keep_logits else None,
@@ -309,6 +317,8 @@ class ModelRunner:
                 next_rows=out.get("next_rows"),
             )
         ctx, st = prepared
+        if on_staged is not None:
+            on_staged()
         return run_step(self.model, ctx, st, self.tok_hash, keep_logits)
 
     def run(self, batch: Batch, keep_logits: bool = False) -> StepOutput:

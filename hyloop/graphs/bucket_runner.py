@@ -177,12 +177,18 @@ class BucketRunner:
         return graph
 
     # -- run ------------------------------------------------------------------------------------
-    def run(self, inputs: StepInputs) -> Any:
-        """One step: replay the bucket's artifact (or fall back, counted); outputs are owned."""
+    def run(self, inputs: StepInputs, on_staged: Callable[[], None] | None = None) -> Any:
+        """One step: replay the bucket's artifact (or fall back, counted); outputs are owned.
+
+        ``on_staged`` is called once the inputs sit in the static buffers, just before the
+        replay: the moment other host work can start without touching what the step reads.
+        """
         inputs.validate()
+        staged = on_staged or _nothing
         with torch.inference_mode():
             if self.backend == "eager":
                 self._eager_steps += 1
+                staged()
                 return self.step_fn(inputs)
             kv_bucket = self._kv_bucket(inputs.kv_len)
             n = inputs.batch_size
@@ -193,13 +199,16 @@ class BucketRunner:
                     self._warn_once("kv_len", f"kv_len {inputs.kv_len} > {largest}: runs eager")
                 else:
                     self._warn_once("batch", f"batch {n} > bucket {self.max_bs}: runs eager")
+                staged()
                 return self.step_fn(inputs)
             if n <= self.max_bs:
-                return self._replay(inputs, kv_bucket)
+                return self._replay(inputs, kv_bucket, staged)
             self._counts["split_batches"] += 1
             self._warn_once("split", f"batch {n} > bucket {self.max_bs}: split into pieces")
             pieces = [
-                self._replay(inputs.rows(i, min(n, i + self.max_bs)), kv_bucket)
+                self._replay(
+                    inputs.rows(i, min(n, i + self.max_bs)), kv_bucket, staged if i == 0 else None
+                )
                 for i in range(0, n, self.max_bs)
             ]
             return _concat(pieces)
@@ -210,13 +219,17 @@ class BucketRunner:
             self._warned.add(reason)
             log.warning("%s: %s (counted in stats(); warned once)", self.name, detail)
 
-    def _replay(self, inputs: StepInputs, kv_bucket: int) -> Any:
+    def _replay(
+        self, inputs: StepInputs, kv_bucket: int, on_staged: Callable[[], None] | None = None
+    ) -> Any:
         n = inputs.batch_size
         bucket = pick_bucket(self.buckets, n)
         assert bucket is not None
         artifact = self._artifact(ArtifactKey(bucket, kv_bucket, *inputs.mode))
         with artifact.replay_guard():
             artifact.static.copy_from(inputs)
+            if on_staged is not None:
+                on_staged()
             raw = artifact.replay()
             out = _map_tensors(raw, lambda path, t: _owned_rows(self.name, path, t, bucket, n))
         self._counts["graph_replays"] += 1
@@ -285,3 +298,7 @@ def _concat(parts: list[Any]) -> Any:
             first, **{f: _concat([getattr(p, f) for p in parts]) for f in fields}
         )
     return first
+
+
+def _nothing() -> None:
+    return None

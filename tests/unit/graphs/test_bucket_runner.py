@@ -261,6 +261,30 @@ def test_outputs_survive_the_next_replay(compiled: BucketRunner) -> None:
     assert not torch.equal(first.logits, second.logits)
 
 
+@pytest.mark.parametrize("backend", ["compile", "eager"])
+def test_on_staged_runs_once_between_staging_and_the_step(
+    compiled: BucketRunner, eager: BucketRunner, pools: ToyPools, backend: str
+) -> None:
+    """Lookahead starts host work in ``on_staged``: inputs staged, the pool not yet written."""
+    runner = compiled if backend == "compile" else eager
+    inputs = make_inputs(3, 8, seed=11)
+    loc = inputs.out_cache_loc[:, 0]
+    pools.kv[loc] = 0.0
+    seen: list[bool] = []
+
+    def on_staged() -> None:
+        staged = [
+            a.static.input_ids[:3].equal(inputs.input_ids) for a in runner._artifacts.values()
+        ]
+        seen.append(backend == "eager" or any(staged))
+        assert not pools.kv[loc].any(), "the step ran before on_staged"
+
+    runner.run(inputs, on_staged)
+    assert seen == [True]
+    want = pools.emb[inputs.input_ids[:, 0]] * (inputs.positions + 1).float()
+    assert torch.equal(pools.kv[loc], want)
+
+
 def test_no_recompile_over_200_replays(compiled: BucketRunner, eager: BucketRunner) -> None:
     compiled.capture(kv_lens=[8])
     captured = compiled.stats()["captured"]
