@@ -29,6 +29,20 @@ def read_bandwidth(device: torch.device | str = "cpu", gib: float = 1.0, reps: i
     return x.numel() * 4 / best
 
 
+def test_helpers() -> Any:
+    """``tests/conftest.py`` (the tiny-checkpoint builders) without its thread setting.
+
+    The tests pin torch to one intra-op thread when conftest is imported; a bench that builds
+    its checkpoints with it keeps the thread count it had.
+    """
+    threads = torch.get_num_threads()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import conftest
+
+    torch.set_num_threads(threads)
+    return conftest
+
+
 def parse_batches(parser: argparse.ArgumentParser, text: str) -> list[int]:
     """``"1,16"`` -> ``[1, 16]``; a bad list is a usage error naming ``--batches``."""
     try:

@@ -28,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
 
-from common import parse_batches, read_bandwidth, write_json  # noqa: E402
+from common import parse_batches, read_bandwidth, test_helpers, write_json  # noqa: E402
 
 from hyloop import LLM, SamplingParams  # noqa: E402
 
@@ -40,10 +40,8 @@ def _sync(device: torch.device) -> None:
 
 def tiny_checkpoint(root: Path) -> Path:
     """The tests' tiny Llama (hidden 64, 2 layers, vocab 256), saved by transformers."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from conftest import TINY_DENSE, build_hf_checkpoint
-
-    return build_hf_checkpoint(root / "tiny-llama", TINY_DENSE["llama"])
+    helpers = test_helpers()
+    return helpers.build_hf_checkpoint(root / "tiny-llama", helpers.TINY_DENSE["llama"])
 
 
 def make_prompts(vocab: int, batch: int, length: int, seed: int = 0) -> list[list[int]]:

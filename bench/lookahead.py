@@ -8,12 +8,14 @@ and a small Qwen3.5-style hybrid (hidden 128, Gated DeltaNet + attention, track 
 tree work in each resolve is real. Per (model, batch): a warm-up wave captures the batch's
 artifact, then a timed wave of greedy tokens (EOS ignored); figures are engine-counter deltas of
 that wave: decode tok/s and wall time per decode step (wave wall time less prefill time), host
-time per step left exposed (``host_exposed_time / decode_steps``, plus the wait for a resolve,
-``lookahead_wait_s``, with lookahead) and the resolve time lookahead hid behind a running step
-(``lookahead_hidden_host_s``). Both engines live in one process and their timed waves alternate
-for ``--rounds`` rounds; the table shows medians, and the tok/s ratio is the median of the
-per-round ratios, so drift in the machine's speed hits both modes alike. On a CPU the step and
-the resolve share the cores; ``--threads 1`` leaves the resolve thread a core of its own.
+time per step left exposed (``decode_host_exposed_time / decode_steps``: scheduling, preparing
+and resolving outside the step; with lookahead, binding the ids, the wait for the lookahead
+thread and the final drain; prefill steps excluded) and the host time the thread hid behind a
+running step (``lookahead_hidden_host_s``). Both engines live in one process and their timed
+waves alternate for ``--rounds`` rounds; the table shows medians, and the tok/s ratio is the
+median of the per-round ratios, so drift in the machine's speed hits both modes alike. On a CPU
+the step and the resolve share the cores; ``--threads 1`` leaves the resolve thread a core of
+its own.
 
     python bench/lookahead.py --json /tmp/lookahead.json [--quick] [--models small,hybrid]
 """
@@ -35,7 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
 
-from common import parse_batches, write_json  # noqa: E402
+from common import parse_batches, test_helpers, write_json  # noqa: E402
 
 from hyloop import LLM, SamplingParams  # noqa: E402
 
@@ -46,9 +48,9 @@ SUFFIX = 16  # distinct tokens per prompt
 
 
 def build_checkpoints(root: Path, names: list[str]) -> dict[str, Path]:
-    sys.path.insert(0, str(ROOT / "tests"))
-    from conftest import TINY_DENSE, TINY_HYBRID, build_hf_checkpoint
-
+    helpers = test_helpers()
+    TINY_DENSE, TINY_HYBRID = helpers.TINY_DENSE, helpers.TINY_HYBRID
+    build_hf_checkpoint = helpers.build_hf_checkpoint
     paths: dict[str, Path] = {}
     if "small" in names:
         cfg = dict(TINY_DENSE["llama"], hidden_size=128, intermediate_size=256)
@@ -89,7 +91,13 @@ def overrides(args: argparse.Namespace, lookahead: bool) -> list[str]:
     ]
 
 
-COUNTERS = ("decode_time", "decode_steps", "decode_tokens", "host_exposed_time", "step_exec_time")
+COUNTERS = (
+    "decode_time",
+    "decode_steps",
+    "decode_tokens",
+    "decode_host_exposed_time",
+    "step_exec_time",
+)
 
 
 def run_wave(llm: LLM, batch: int, new_tokens: int, wave: int, rnd: int) -> dict[str, Any]:
@@ -121,7 +129,7 @@ def run_wave(llm: LLM, batch: int, new_tokens: int, wave: int, rnd: int) -> dict
         "tok_s": d["decode_tokens"] / decode_wall,
         "step_ms": 1e3 * decode_wall / steps,
         "engine_step_ms": 1e3 * d["decode_time"] / steps,
-        "host_exposed_ms": 1e3 * d["host_exposed_time"] / steps,
+        "host_exposed_ms": 1e3 * d["decode_host_exposed_time"] / steps,
         "resolve_wait_ms": 1e3 * la["lookahead_wait_s"] / steps,
         "hidden_host_ms": 1e3 * la["lookahead_hidden_host_s"] / steps,
         "decode_steps": d["decode_steps"],

@@ -31,6 +31,7 @@ class EngineStats:
         self.requests_finished = 0
         self.requests_aborted = 0
         self.host_exposed_time = 0.0  # step wall time not spent executing the step
+        self.decode_host_exposed_time = 0.0  # the same, decode steps only
         self.step_exec_time = 0.0
 
     def as_dict(self) -> dict[str, Any]:
@@ -280,12 +281,14 @@ class Engine:
 
     def account(self, batch: Batch, wall: float, exec_time: float) -> None:
         s = self.stats_
-        s.host_exposed_time += max(0.0, wall - exec_time)
+        exposed = max(0.0, wall - exec_time)
+        s.host_exposed_time += exposed
         s.step_exec_time += exec_time
         if batch.is_decode:
             s.decode_steps += 1
             s.decode_tokens += batch.size
             s.decode_time += wall
+            s.decode_host_exposed_time += exposed
         else:
             s.prefill_steps += 1
             s.prefill_tokens_computed += batch.num_tokens

@@ -51,7 +51,7 @@ class Plan:
 
     gen: int
     batch: Batch
-    rows: torch.Tensor  # row of each chunk in the previous step's output
+    rows: torch.Tensor | None  # row of each chunk in the previous step's output; None: all
     prepared: Any
     reads: list[tuple[torch.Tensor, int]]  # taken at planning: a release clears req.slots
 
@@ -121,6 +121,7 @@ class Lookahead:
             eng.stats_.host_exposed_time += exposed
             if prev.batch.is_decode:
                 eng.stats_.decode_time += exposed
+                eng.stats_.decode_host_exposed_time += exposed
             return outputs + eng.take_pending_outputs()
         prepared = self._bind_ids(plan, prev)
         futures: list[Future[tuple[list[RequestOutput], Plan | None]]] = []
@@ -138,6 +139,7 @@ class Lookahead:
         self.exposed_wait_s += wait
         eng.stats_.host_exposed_time += wait  # the part of the thread's work not hidden
         eng.stats_.decode_time += wait
+        eng.stats_.decode_host_exposed_time += wait
         return outputs + eng.take_pending_outputs()
 
     def _next_gen(self) -> int:
@@ -167,7 +169,9 @@ class Lookahead:
             return None
         nxt = Batch(chunks, is_decode=True, input_ids=self._placeholder_ids(len(chunks)))
         prepared = eng.prepare_decode(nxt)
-        index = torch.tensor(rows, dtype=torch.int64, device=eng.runner.device)
+        index = None
+        if len(rows) < len(batch.chunks):
+            index = torch.tensor(rows, dtype=torch.int64, device=eng.runner.device)
         return Plan(self._next_gen(), nxt, index, prepared, _reads(nxt))
 
     def _placeholder_ids(self, size: int) -> torch.Tensor:
@@ -179,7 +183,7 @@ class Lookahead:
         """The plan's input ids, gathered on device from step ``prev``'s output."""
         res = prev.result
         source = res.next_rows if res.next_rows is not None else res.next_ids
-        ids = source.index_select(0, plan.rows)  # no host round trip
+        ids = source if plan.rows is None else source.index_select(0, plan.rows)  # on device
         plan.batch.input_ids = ids
         return self.engine.runner.bind_input_ids(plan.prepared, ids)
 

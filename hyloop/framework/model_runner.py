@@ -6,7 +6,6 @@ forward, last-token logits, sampling and logprobs, all tensor ops with no host s
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -292,9 +291,10 @@ class ModelRunner:
         """Set the input ids (``[B]`` or ``[B, C]``, on device) of a prepared decode step."""
         ids = ids.view(-1, 1, *self.row_shape)
         if isinstance(prepared, StepInputs):
-            return dataclasses.replace(prepared, input_ids=ids)
-        ctx, st = prepared
-        return dataclasses.replace(ctx, input_ids=ids), st
+            prepared.input_ids = ids
+        else:
+            prepared[0].input_ids = ids  # (StepContext, SamplingTensors)
+        return prepared
 
     @torch.inference_mode()
     def execute(
