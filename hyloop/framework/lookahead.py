@@ -126,8 +126,10 @@ class Lookahead:
         prepared = self._bind_ids(plan, prev)
         futures: list[Future[tuple[list[RequestOutput], Plan | None]]] = []
 
+        stream = _current_stream(self.engine.runner.device)
+
         def start() -> None:  # the step's inputs are staged: resolve N and plan N+2 meanwhile
-            futures.append(self._pool.submit(self._resolve_and_plan, prev, plan))
+            futures.append(self._pool.submit(self._resolve_and_plan, prev, plan, stream))
 
         self.inflight = self._execute(plan.batch, prepared, plan.gen, t0, plan.reads, start)
         if not futures:
@@ -171,7 +173,7 @@ class Lookahead:
         prepared = eng.prepare_decode(nxt)
         index = None
         if len(rows) < len(batch.chunks):
-            index = torch.tensor(rows, dtype=torch.int64, device=eng.runner.device)
+            index = eng.runner.to_device(torch.tensor(rows, dtype=torch.int64))
         return Plan(self._next_gen(), nxt, index, prepared, _reads(nxt))
 
     def _placeholder_ids(self, size: int) -> torch.Tensor:
@@ -188,9 +190,18 @@ class Lookahead:
         return self.engine.runner.bind_input_ids(plan.prepared, ids)
 
     def _resolve_and_plan(
+        self, prev: Inflight, running: Plan, stream: Any
+    ) -> tuple[list[RequestOutput], Plan | None]:
+        """Lookahead thread: resolve ``prev`` while ``running`` executes, then plan the next.
+
+        On CUDA it works on the scheduler thread's stream (current streams are per thread), so
+        the planned inputs are ordered after the step they follow."""
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            return self._resolve_and_plan_on(prev, running)
+
+    def _resolve_and_plan_on(
         self, prev: Inflight, running: Plan
     ) -> tuple[list[RequestOutput], Plan | None]:
-        """Lookahead thread: resolve ``prev`` while ``running`` executes, then plan the next."""
         outs = self._resolve(prev, running.gen)
         t0 = time.perf_counter()
         plan = self._plan(running.batch)
@@ -275,6 +286,10 @@ class Lookahead:
 def _reads(batch: Batch) -> list[tuple[torch.Tensor, int]]:
     """What a decode step reads of each request's req->token row: its slots up to the new one."""
     return [(c.req.slots, c.start + 1) for c in batch.chunks]
+
+
+def _current_stream(device: torch.device) -> Any:
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
 
 
 def _host_copy(next_ids: torch.Tensor) -> tuple[torch.Tensor, Any]:

@@ -189,24 +189,32 @@ class ModelRunner:
     ) -> StepContext:
         chunks = batch.chunks
         dev = self.device
+        h2d = self.to_device
         i64 = torch.int64
         prefix = [c.start for c in chunks]
         ext = [c.length for c in chunks]
         return StepContext(
-            input_ids=ids.to(dev),
-            positions=pos.to(dev),
-            out_cache_loc=loc.to(dev),
-            req_rows=torch.tensor([c.req.req_row for c in chunks], dtype=i64, device=dev),
-            prefix_lens=torch.tensor(prefix, dtype=i64, device=dev),
-            extend_lens=torch.tensor(ext, dtype=i64, device=dev),
+            input_ids=ids if ids.device.type == dev.type else h2d(ids),  # lookahead ids: on device
+            positions=h2d(pos),
+            out_cache_loc=h2d(loc),
+            req_rows=h2d(torch.tensor([c.req.req_row for c in chunks], dtype=i64)),
+            prefix_lens=h2d(torch.tensor(prefix, dtype=i64)),
+            extend_lens=h2d(torch.tensor(ext, dtype=i64)),
             req_to_token=self.req_to_token.table,
             kv_len=max(p + e for p, e in zip(prefix, ext, strict=True)),
             kv=self.kv,
             recurrent=self.recurrent,
-            state_slots=torch.tensor([c.req.state_slot for c in chunks], dtype=i64, device=dev),
-            track_slots=torch.tensor([c.track_slot for c in chunks], dtype=i64, device=dev),
+            state_slots=h2d(torch.tensor([c.req.state_slot for c in chunks], dtype=i64)),
+            track_slots=h2d(torch.tensor([c.track_slot for c in chunks], dtype=i64)),
             is_decode=batch.is_decode,
         )
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the step's device. On CUDA the copy goes through pinned memory and
+        is queued on the current stream, so preparing step N+2 never waits for step N+1."""
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def build_sampling(self, batch: Batch) -> SamplingTensors:
         temps, topk, topp, seeds, outpos = [], [], [], [], []
@@ -221,13 +229,13 @@ class ModelRunner:
             filtered = filtered or p.needs_filter
             if p.logprobs is not None:
                 nlp = max(nlp, p.logprobs, 1)
-        dev = self.device
+        h2d = self.to_device
         return SamplingTensors(
-            temperature=torch.tensor(temps, dtype=torch.float32, device=dev),
-            top_k=torch.tensor(topk, dtype=torch.int64, device=dev),
-            top_p=torch.tensor(topp, dtype=torch.float32, device=dev),
-            seeds=torch.tensor(seeds, dtype=torch.int64, device=dev),
-            out_pos=torch.tensor(outpos, dtype=torch.int64, device=dev),
+            temperature=h2d(torch.tensor(temps, dtype=torch.float32)),
+            top_k=h2d(torch.tensor(topk, dtype=torch.int64)),
+            top_p=h2d(torch.tensor(topp, dtype=torch.float32)),
+            seeds=h2d(torch.tensor(seeds, dtype=torch.int64)),
+            out_pos=h2d(torch.tensor(outpos, dtype=torch.int64)),
             filtered=filtered,
             num_logprobs=min(nlp, self.vocab_size),
             greedy_only=all(t == 0 for t in temps),
@@ -307,7 +315,8 @@ class ModelRunner:
         the model runs (lookahead starts its host work there)."""
         if isinstance(prepared, StepInputs):
             assert self.graph_runner is not None
-            out = self.graph_runner.run(prepared, on_staged)
+            drop = () if keep_logits else ("logits",)
+            out = self.graph_runner.run(prepared, on_staged, drop)
             return StepOutput(
                 next_ids=out["next_ids"],
                 logits=out.get("logits") if keep_logits else None,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -34,6 +34,11 @@ from hyloop.graphs.static_inputs import StaticInputs, StepInputs
 __all__ = ["BACKENDS", "BucketRunner"]
 
 log = logging.getLogger(__name__)
+
+
+def _nothing() -> None:
+    return None
+
 
 Backend = Literal["eager", "compile", "cuda_graph"]
 BACKENDS: tuple[str, ...] = ("eager", "compile", "cuda_graph")
@@ -177,14 +182,29 @@ class BucketRunner:
         return graph
 
     # -- run ------------------------------------------------------------------------------------
-    def run(self, inputs: StepInputs, on_staged: Callable[[], None] | None = None) -> Any:
+    def run(
+        self,
+        inputs: StepInputs,
+        on_staged: Callable[[], None] | None = None,
+        drop: Collection[str] = (),
+    ) -> Any:
         """One step: replay the bucket's artifact (or fall back, counted); outputs are owned.
 
-        ``on_staged`` is called once the inputs sit in the static buffers, just before the
-        replay: the moment other host work can start without touching what the step reads.
+        ``on_staged`` is called once, as soon as other host work may run beside the step: on
+        CPU once the inputs sit in the static buffers, just before the (synchronous) replay; on
+        CUDA after every launch, outside the sync-debug guard (the guard's mode is process-wide,
+        and a lazy capture must not see another thread's allocations). ``drop`` names dict
+        outputs not to copy out (a replay still computes them into its static buffers).
         """
         inputs.validate()
         staged = on_staged or _nothing
+        if self.device.type == "cuda":
+            out = self._run(inputs, _nothing, drop)
+            staged()
+            return out
+        return self._run(inputs, staged, drop)
+
+    def _run(self, inputs: StepInputs, staged: Callable[[], None], drop: Collection[str]) -> Any:
         with torch.inference_mode():
             if self.backend == "eager":
                 self._eager_steps += 1
@@ -202,12 +222,15 @@ class BucketRunner:
                 staged()
                 return self.step_fn(inputs)
             if n <= self.max_bs:
-                return self._replay(inputs, kv_bucket, staged)
+                return self._replay(inputs, kv_bucket, staged, drop)
             self._counts["split_batches"] += 1
             self._warn_once("split", f"batch {n} > bucket {self.max_bs}: split into pieces")
             pieces = [
                 self._replay(
-                    inputs.rows(i, min(n, i + self.max_bs)), kv_bucket, staged if i == 0 else None
+                    inputs.rows(i, min(n, i + self.max_bs)),
+                    kv_bucket,
+                    staged if i == 0 else _nothing,
+                    drop,
                 )
                 for i in range(0, n, self.max_bs)
             ]
@@ -220,7 +243,11 @@ class BucketRunner:
             log.warning("%s: %s (counted in stats(); warned once)", self.name, detail)
 
     def _replay(
-        self, inputs: StepInputs, kv_bucket: int, on_staged: Callable[[], None] | None = None
+        self,
+        inputs: StepInputs,
+        kv_bucket: int,
+        on_staged: Callable[[], None] = _nothing,
+        drop: Collection[str] = (),
     ) -> Any:
         n = inputs.batch_size
         bucket = pick_bucket(self.buckets, n)
@@ -228,9 +255,10 @@ class BucketRunner:
         artifact = self._artifact(ArtifactKey(bucket, kv_bucket, *inputs.mode))
         with artifact.replay_guard():
             artifact.static.copy_from(inputs)
-            if on_staged is not None:
-                on_staged()
+            on_staged()
             raw = artifact.replay()
+            if drop and isinstance(raw, dict):
+                raw = {k: v for k, v in raw.items() if k not in drop}
             out = _map_tensors(raw, lambda path, t: _owned_rows(self.name, path, t, bucket, n))
         self._counts["graph_replays"] += 1
         return out
@@ -298,7 +326,3 @@ def _concat(parts: list[Any]) -> Any:
             first, **{f: _concat([getattr(p, f) for p in parts]) for f in fields}
         )
     return first
-
-
-def _nothing() -> None:
-    return None

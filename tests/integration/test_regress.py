@@ -101,8 +101,8 @@ def flip_captured_tokens(llm: LLM) -> None:
     replay = runner.run
     vocab = llm.engine.vocab_size
 
-    def run(inputs: Any) -> Any:
-        out = replay(inputs)
+    def run(inputs: Any, *args: Any) -> Any:
+        out = replay(inputs, *args)
         pos = inputs.out_pos
         out["logits"] = out["logits"] + 0.5 * (pos == 1).to(out["logits"].dtype)[:, None]
         out["next_ids"] = torch.where(pos == 2, (out["next_ids"] + 1) % vocab, out["next_ids"])

@@ -28,7 +28,8 @@ END_ID = 151670
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 I32_MIN, I32_MAX = -(2**31), 2**31 - 1
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, NO_CUDA])]
 
 
 def ref_raw(row: list[int]) -> int:
