@@ -45,3 +45,21 @@ def test_compiled_step_calls_the_packed_op() -> None:
     step = torch.compile(lambda t: torch.relu(packed(t)) * 2, fullgraph=True, dynamic=False)
     with torch.inference_mode():
         torch.testing.assert_close(step(x), torch.relu(lin(x)) * 2, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_single_row_is_a_fused_gemv(dtype: torch.dtype) -> None:
+    """Batch-1 decode: one row takes the multiply-reduce path, not the packed op, and agrees
+    with ``F.linear`` computed in fp32."""
+    torch.manual_seed(2)
+    lin = nn.Linear(512, 256).to(dtype)
+    packed = PackedLinear(lin)
+    x = torch.randn(1, 1, 512, dtype=dtype)
+    step = torch.compile(lambda t: packed(t) + 1, fullgraph=True, dynamic=False)
+    gm = torch._dynamo.explain(lambda t: packed(t) + 1)(x)  # traced ops, no compile
+    ops = {str(n.target) for g in gm.graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert not any("packed_linear" in op for op in ops)
+    with torch.inference_mode():
+        ref = F.linear(x.float(), lin.weight.float(), lin.bias.float()) + 1
+        tol = 1e-4 if dtype == torch.float32 else 5e-2
+        torch.testing.assert_close(step(x).float(), ref, atol=tol, rtol=tol)
