@@ -9,11 +9,14 @@ the dotted key, the bad value and what was expected.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+if TYPE_CHECKING:
+    import torch
 
 
 class ConfigError(ValueError):
@@ -97,11 +100,16 @@ class SamplingDefaultsSection(_Section):
 
 
 class LookaheadSection(_Section):
-    enable: bool = Field(
-        False,
-        description="launch step N+1 before resolving step N (off: on a 2-core CPU it "
-        "pays only for small dense models at batch >= 8; see bench/lookahead.py)",
+    enable: bool | Literal["auto"] = Field(
+        "auto",
+        description="launch step N+1 before resolving step N; auto: on with CUDA, where the "
+        "step runs asynchronously, off on CPU, where the step and the host share the cores "
+        "and the GIL (see bench/lookahead.py)",
     )
+
+    def enabled_on(self, device: torch.device) -> bool:
+        return device.type == "cuda" if self.enable == "auto" else bool(self.enable)
+
     min_batch: int = Field(8, ge=1, description="smallest decode batch that uses lookahead")
 
 

@@ -76,7 +76,9 @@ class Engine:
         )
         self.scheduler = _make_scheduler(self)
         la = self.cfg.lookahead
-        self.lookahead: Lookahead | None = Lookahead(self, la.min_batch) if la.enable else None
+        self.lookahead: Lookahead | None = (
+            Lookahead(self, la.min_batch) if la.enabled_on(self.runner.device) else None
+        )
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(

@@ -21,7 +21,7 @@ def render_summary(llm: Any) -> str:
         f"free {s['kv_free_tokens']}/{s['kv_capacity_tokens']} tokens",
         f"cache          {'on' if cfg.cache.enable else 'off'} ({d['cache']})    "
         f"cached tokens {s['cached_tokens']}    evictable {s['cache_evictable_tokens']}",
-        f"lookahead      {'on' if cfg.lookahead.enable else 'off'} "
+        f"lookahead      {'on' if llm.engine.lookahead is not None else 'off'} "
         f"(min_batch {cfg.lookahead.min_batch})",
         f"scheduler      max_running {cfg.scheduler.max_running_requests}    "
         f"prefill_chunk {cfg.scheduler.prefill_chunk}    "

@@ -59,7 +59,6 @@ class PackedLinear(nn.Module):
             return packed_linear(x, self.handle)  # opaque to inductor
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
-
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
         """``W @ x`` as a multiply-reduce that inductor turns into one vectorized, threaded
         kernel: it streams the weight ~20% faster than oneDNN's M=1 call on CPU."""
