@@ -247,6 +247,10 @@ class ModelRunner:
         st = self.graph_runner.stats()
         return {k: st[k] for k in ("graph_replays", "eager_fallbacks", "recompiles")}
 
+    def capture_seconds(self) -> float:
+        """Seconds spent capturing (compiling) artifacts so far."""
+        return self.graph_runner.capture_seconds if self.graph_runner is not None else 0.0
+
     def graph_report(self) -> dict[str, object]:
         return self.graph_runner.stats() if self.graph_runner is not None else {}
 

@@ -16,7 +16,8 @@ def render_summary(llm: Any) -> str:
         f"device/dtype   {cfg.device} / {cfg.dtype}    weights {s['weight_bytes'] / 2**20:.1f} MiB",
         f"backend        {cfg.graphs.backend}    buckets {cfg.graphs.buckets}",
         f"graph replays  {s['graph_replays']}    eager fallbacks {s['eager_fallbacks']}    "
-        f"recompiles {s['recompiles']}",
+        f"recompiles {s['recompiles']}    first-use capture {s['capture_time']:.1f} s "
+        "(kept out of the step times)",
         f"kv pool        page_size {cfg.kv_pool.page_size}    pages {d['kv_pages']}    "
         f"free {s['kv_free_tokens']}/{s['kv_capacity_tokens']} tokens",
         f"cache          {'on' if cfg.cache.enable else 'off'} ({d['cache']})    "

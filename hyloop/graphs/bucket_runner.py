@@ -265,6 +265,10 @@ class BucketRunner:
 
     # -- report ---------------------------------------------------------------------------------
     @property
+    def capture_seconds(self) -> float:
+        return self._capture_s
+
+    @property
     def recompiles(self) -> int:
         return sum(c.recompiles for c in self._compiled)
 

@@ -61,6 +61,10 @@ def test_200_steps_no_recompile_no_new_pool_memory(tiny_ckpts) -> None:
         llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
         runner = eng.runner.graph_runner
         captured = set(map(tuple, runner.stats()["captured"]))
+        # First-use compiles are counted apart from the step times.
+        capture_s = eng.stats()["capture_time"]
+        assert capture_s == pytest.approx(runner.capture_seconds) and capture_s > 0
+        assert eng.stats()["decode_time"] < capture_s  # a few fast steps, not the compiles
         pools = [t.data_ptr() for t in eng.parts.kv_pool.k + eng.parts.kv_pool.v]
         table = eng.req_to_token.table.data_ptr()
         steps0 = eng.stats()["decode_steps"]
@@ -81,4 +85,5 @@ def test_200_steps_no_recompile_no_new_pool_memory(tiny_ckpts) -> None:
         assert set(map(tuple, runner.stats()["captured"])) == captured  # nothing new compiled
         assert [t.data_ptr() for t in eng.parts.kv_pool.k + eng.parts.kv_pool.v] == pools
         assert eng.req_to_token.table.data_ptr() == table
+        assert s["capture_time"] == capture_s  # no capture after warm-up
         eng.check_invariants()
