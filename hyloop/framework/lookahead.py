@@ -112,8 +112,8 @@ class Lookahead:
             return outputs
         t0 = time.perf_counter()
         plan, self.plan = self.plan, None
-        if plan is None:  # the first continuation after a synchronous launch
-            plan = self._plan(prev.batch)
+        if plan is None:  # first continuation of a launch, or the thread chose to drain
+            plan = self._plan(prev.batch)  # (a user call since may have changed that)
         if plan is None:  # drain: resolve the last step with nothing else in flight
             self.inflight = None
             outputs += self._resolve(prev, defer_gen=None)
