@@ -29,6 +29,49 @@ def read_bandwidth(device: torch.device | str = "cpu", gib: float = 1.0, reps: i
     return x.numel() * 4 / best
 
 
+def time_hf_generate(hf: Any, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
+    """HF ``generate()`` on equal-length prompts (no padding), greedy, EOS ignored.
+
+    Returns ``gen_s`` (seconds for ``new_tokens`` tokens), ``decode_s`` (``t(N) - t(1)``, the
+    decode-only time; None when timing noise exceeds it) and the generated ``token_ids``. Each
+    length is timed best-of-a-few after a warm-up: one slow call would skew the difference.
+    """
+    device = next(hf.parameters()).device
+    ids = torch.tensor(prompts, device=device)
+    mask = torch.ones_like(ids)
+    pad = hf.generation_config.eos_token_id
+    pad = pad[0] if isinstance(pad, list) else pad
+
+    def gen(n: int) -> tuple[float, torch.Tensor]:
+        _sync(device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = hf.generate(
+                ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                pad_token_id=pad,
+            )
+        _sync(device)
+        return time.perf_counter() - t0, out
+
+    gen(min(4, new_tokens))  # warm-up
+    t1 = min(gen(1)[0] for _ in range(3))
+    tn, out = gen(new_tokens)
+    tn = min(tn, gen(new_tokens)[0])
+    token_ids = out[:, ids.shape[1] :].tolist()
+    if any(len(g) != new_tokens for g in token_ids):
+        raise RuntimeError(f"transformers produced {[len(g) for g in token_ids]} tokens")
+    return {"gen_s": tn, "decode_s": tn - t1 if tn > t1 else None, "token_ids": token_ids}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def test_helpers() -> Any:
     """``tests/conftest.py`` (the tiny-checkpoint builders) without its thread setting.
 

@@ -19,7 +19,6 @@ import os
 import platform
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,14 +27,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
 
-from common import parse_batches, read_bandwidth, test_helpers, write_json  # noqa: E402
+from common import (  # noqa: E402
+    parse_batches,
+    read_bandwidth,
+    test_helpers,
+    time_hf_generate,
+    write_json,
+)
 
 from hyloop import LLM, SamplingParams  # noqa: E402
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def tiny_checkpoint(root: Path) -> Path:
@@ -80,33 +80,11 @@ def load_hf(gguf: Path, device: torch.device) -> Any:
 
 
 def run_hf(hf: Any, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
-    device = next(hf.parameters()).device
-    ids = torch.tensor(prompts, device=device)
-    mask = torch.ones_like(ids)
-
-    def gen(n: int) -> tuple[float, torch.Tensor]:
-        _sync(device)
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = hf.generate(
-                ids,
-                attention_mask=mask,
-                do_sample=False,
-                max_new_tokens=n,
-                min_new_tokens=n,  # EOS ignored, like the engine runs
-                pad_token_id=0,
-            )
-        _sync(device)
-        return time.perf_counter() - t0, out
-
-    gen(3)  # warm-up
-    # Best of two for each length: a load spike in one call would otherwise swamp the difference.
-    t1 = min(gen(1)[0] for _ in range(2))
-    (tn, out), (tn2, _) = gen(new_tokens), gen(new_tokens)
-    decode_s = min(tn, tn2) - t1
+    timed = time_hf_generate(hf, prompts, new_tokens)
     res: dict[str, Any] = {"graph_replays": 0, "eager_fallbacks": 0}
-    res["token_ids"] = out[:, ids.shape[1] :].tolist()
-    if decode_s <= 0:  # noise larger than the decode time: say so rather than print nonsense
+    res["token_ids"] = timed["token_ids"]
+    decode_s = timed["decode_s"]
+    if decode_s is None:  # noise larger than the decode time: say so rather than print nonsense
         return {**res, "step_ms": None, "tok_s": None, "note": "t(N) <= t(1): timing noise"}
     res["step_ms"] = 1e3 * decode_s / (new_tokens - 1)
     res["tok_s"] = len(prompts) * (new_tokens - 1) / decode_s

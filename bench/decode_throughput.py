@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from common import parse_batches, read_bandwidth, write_json  # noqa: E402
+from common import parse_batches, read_bandwidth, time_hf_generate, write_json  # noqa: E402
 
 from hyloop import LLM, SamplingParams  # noqa: E402
 
@@ -87,37 +87,14 @@ def run_hyloop(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict[str,
 
 
 def run_hf(hf: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
-    ids = torch.tensor(prompts)
-    mask = torch.ones_like(ids)
-    pad = hf.generation_config.eos_token_id
-    pad = pad[0] if isinstance(pad, list) else pad
-
-    def gen(n: int) -> tuple[float, torch.Tensor]:
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = hf.generate(
-                ids,
-                attention_mask=mask,
-                do_sample=False,
-                max_new_tokens=n,
-                min_new_tokens=n,
-                pad_token_id=pad,
-            )
-        return time.perf_counter() - t0, out
-
-    gen(min(4, new_tokens))  # warm-up
-    # Best of a few: the prefill-only run is short, and one slow repeat would skew the difference.
-    t1 = min(gen(1)[0] for _ in range(3))
-    tn, out = gen(new_tokens)
-    tn = min(tn, gen(new_tokens)[0])
-    gen_ids = out[:, ids.shape[1] :].tolist()
-    if any(len(g) != new_tokens for g in gen_ids):
-        raise RuntimeError(f"transformers produced {[len(g) for g in gen_ids]} tokens")
+    timed = time_hf_generate(hf, prompts, new_tokens)
     batch = len(prompts)
-    decode = batch * (new_tokens - 1) / (tn - t1) if tn > t1 else None
+    decode_s = timed["decode_s"]
+    decode = None if decode_s is None else batch * (new_tokens - 1) / decode_s
     if decode is None:
         print(f"warning: HF batch {batch}: generate({new_tokens}) no slower than generate(1)")
-    return {"decode_tok_s": decode, "e2e_tok_s": batch * new_tokens / tn, "token_ids": gen_ids}
+    e2e = batch * new_tokens / timed["gen_s"]
+    return {"decode_tok_s": decode, "e2e_tok_s": e2e, "token_ids": timed["token_ids"]}
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
