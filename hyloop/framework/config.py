@@ -163,6 +163,16 @@ def load_config(
     base: dict[str, Any] | None = None,
 ) -> EngineConfig:
     """Merge ``base`` < files < dotlist ``overrides`` and validate."""
+    return validate_config(merge_config(files, overrides, base))
+
+
+def merge_config(
+    files: list[str | Path] | str | Path | None = None,
+    overrides: list[str] | None = None,
+    base: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``base`` < YAML files (with their ``defaults:`` parents) < dotlist ``overrides``, resolved
+    to plain containers but not validated (a recipe may split off its own section first)."""
     if isinstance(files, str | Path):
         files = [files]
     cfg = OmegaConf.create(base or {})
@@ -177,7 +187,7 @@ def load_config(
         data = OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as e:
         raise ConfigError(f"config: {e}") from e
-    return validate_config(data)  # type: ignore[arg-type]
+    return data  # type: ignore[return-value]
 
 
 def validate_config(data: dict[str, Any]) -> EngineConfig:

@@ -24,12 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from tqdm.auto import tqdm
 
-from hyloop.framework.config import ConfigError, EngineConfig, load_yaml, validate_config
+from hyloop.framework.config import ConfigError, EngineConfig, merge_config, validate_config
 from hyloop.framework.llm import LLM
 from hyloop.framework.model_runner import resolve_backend
 from hyloop.framework.sampling_params import SamplingParams
@@ -74,20 +72,8 @@ def load_recipe(
     files: list[str | Path], overrides: list[str] | None = None
 ) -> tuple[EngineConfig, RegressSettings]:
     """Merge the YAML files and ``key=value`` overrides; split off and validate ``regress:``."""
-    cfg = OmegaConf.create()
-    for f in files:
-        # NOTE: the engine's own YAML composition (``defaults:`` parents), so presets compose
-        # the same way for ``generate`` and ``regress``.
-        cfg = OmegaConf.merge(cfg, load_yaml(Path(f)))
-    for item in overrides or []:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r}: expected key=value")
-    try:
-        if overrides:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
-        data: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # type: ignore[assignment]
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"config: {e}") from e
+    # The engine's own composition, so presets compose the same way for generate and regress.
+    data = merge_config(files, overrides)
     section = data.pop("regress", None) or {}
     try:
         settings = RegressSettings.model_validate(section)
