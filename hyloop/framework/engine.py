@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from hyloop.framework.batch import Batch
+from hyloop.framework.device_clock import DeviceClock
 from hyloop.framework.lookahead import Lookahead
 from hyloop.framework.request import Request, RequestOutput, Status
 from hyloop.framework.request_memory import RequestMemory
@@ -78,6 +79,7 @@ class Engine:
         self.scheduler = _make_scheduler(self)
         self._capture_seen = 0.0
         la = self.cfg.lookahead
+        self.clock = DeviceClock(self.runner.device)
         self.lookahead: Lookahead | None = (
             Lookahead(self, la.min_batch) if la.enabled_on(self.runner.device) else None
         )
@@ -224,6 +226,7 @@ class Engine:
             batch = self.scheduler.next_batch()
             if batch is None:
                 self.check_idle()
+                self.clock.pause()
             else:
                 outputs += self.run_sync(batch, t0)
         for hook in self.step_hooks:
@@ -246,11 +249,14 @@ class Engine:
         """Launch and resolve one step on this thread (``t0``: when its scheduling began)."""
         prepared = self.prepare_decode(batch)
         t_exec = time.perf_counter()
+        marks = self.clock.begin(batch.is_decode)
         result = self.runner.execute(prepared, keep_logits=self.capture_logits)
+        self.clock.end(marks)
         next_ids = result.next_ids.tolist()
         if result.next_rows is not None:
             result.next_rows = result.next_rows.tolist()
         dt_exec = time.perf_counter() - t_exec
+        self.clock.book(marks)
         self.commit_progress(batch)
         outputs = self.process(batch, result, next_ids, None)
         self.account(batch, time.perf_counter() - t0, dt_exec)
@@ -394,6 +400,7 @@ class Engine:
         d = self.stats_.as_dict()
         d.update(self.runner.graph_stats())
         d["weight_bytes"] = self.parts.weight_bytes
+        d.update(self.clock.stats())
         if self.lookahead is not None:
             d["lookahead_hidden_host_s"] = self.lookahead.hidden_host_s
             d["lookahead_wait_s"] = self.lookahead.exposed_wait_s

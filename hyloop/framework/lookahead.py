@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from hyloop.framework.batch import Batch, Chunk
+from hyloop.framework.device_clock import StepMarks
 from hyloop.framework.request import RequestOutput, Status
 
 if TYPE_CHECKING:
@@ -63,6 +64,7 @@ class Inflight:
     result: Any  # StepOutput with owned tensors
     host_ids: torch.Tensor  # next ids on the host (pinned on CUDA)
     event: Any  # torch.cuda.Event on CUDA, else None
+    marks: StepMarks | None  # device-time events (CUDA)
     reads: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # (slots, upto)
 
 
@@ -105,6 +107,7 @@ class Lookahead:
             batch = eng.scheduler.next_batch()
             if batch is None:
                 eng.check_idle()
+                eng.clock.pause()
                 return outputs
             if not batch.is_decode or batch.size < self.min_batch:
                 return outputs + eng.run_sync(batch, t0)
@@ -225,11 +228,13 @@ class Lookahead:
         eng = self.engine
         reads = _reads(batch) if reads is None else reads
         t_exec = time.perf_counter()
+        marks = eng.clock.begin(batch.is_decode)
         result = eng.runner.execute(prepared, eng.capture_logits, on_staged)
+        eng.clock.end(marks)
         host_ids, event = _host_copy(result.next_ids)
-        dt_exec = time.perf_counter() - t_exec
+        dt_exec = time.perf_counter() - t_exec  # on CUDA the launch only: see ``DeviceClock``
         eng.account(batch, time.perf_counter() - t0, dt_exec)
-        return Inflight(gen, batch, result, host_ids, event, reads)
+        return Inflight(gen, batch, result, host_ids, event, marks, reads)
 
     # -- resolve (lookahead thread, or the scheduler thread when draining) -----------------------
     def _resolve(self, prev: Inflight, defer_gen: int | None) -> list[RequestOutput]:
@@ -237,6 +242,7 @@ class Lookahead:
         eng = self.engine
         if prev.event is not None:
             prev.event.synchronize()
+        eng.clock.book(prev.marks)
         # Step ``prev`` has completed: what waited on it is reusable.
         eng.memory.flush_pending(prev.gen if defer_gen is not None else None)
         deferring = (

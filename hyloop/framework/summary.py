@@ -36,4 +36,9 @@ def render_summary(llm: Any) -> str:
     extra = s.get("lookahead_hidden_host_s")
     if extra is not None:
         lines.append(f"host hidden    {extra:.3f} s by lookahead")
+    if "decode_device_idle_time" in s:  # CUDA events: the device's own view of the loop
+        lines.append(
+            f"device time    decode busy {s['decode_device_busy_time']:.3f} s    "
+            f"idle between steps {s['decode_device_idle_time']:.3f} s (waiting on the host)"
+        )
     return "\n".join(lines)
