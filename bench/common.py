@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -43,6 +44,7 @@ def time_hf_generate(hf: Any, prompts: list[list[int]], new_tokens: int) -> dict
     pad = pad[0] if isinstance(pad, list) else pad
 
     def gen(n: int) -> tuple[float, torch.Tensor]:
+        gc.collect()  # keep an earlier run's garbage collection out of the timing
         _sync(device)
         t0 = time.perf_counter()
         with torch.inference_mode():
