@@ -14,10 +14,11 @@ lookahead thread and the final drain; prefill steps excluded) and the host time 
 behind a running step (``lookahead_hidden_host_s``). On CUDA a launch returns at once, so the
 exposed host time is read from the device instead: its idle gaps between decode steps, from
 CUDA events (``decode_device_idle_time``; the row's ``exposed_metric`` names the counter used).
-Both engines live in one process and their timed waves alternate for ``--rounds`` rounds; the
-table shows medians, and the tok/s ratio is the median of the per-round ratios, so drift in the
-machine's speed hits both modes alike. On a CPU the step and the resolve share the cores;
-``--threads 1`` leaves the resolve thread a core of its own.
+One engine runs both modes (``Engine.set_lookahead`` between waves: the same weights, pools and
+artifacts); their timed waves alternate for ``--rounds`` rounds; the table shows medians, and
+the tok/s ratio is the median of the per-round ratios, so drift in the machine's speed hits
+both modes alike. On a CPU the step and the resolve share the cores; ``--threads 1`` leaves the
+resolve thread a core of its own.
 
     python bench/lookahead.py --json /tmp/lookahead.json [--quick] [--models small,hybrid]
 """
@@ -103,16 +104,18 @@ COUNTERS = (
 )
 
 
-def run_wave(llm: LLM, batch: int, new_tokens: int, wave: int, rnd: int) -> dict[str, Any]:
-    """Round 0 starts with a warm-up wave (compiles the bucket); then the timed wave.
+def run_wave(
+    llm: LLM, batch: int, new_tokens: int, wave: int, rnd: int, warm: bool
+) -> dict[str, Any]:
+    """``warm``: a warm-up wave first (compiles the bucket); then the timed wave.
 
     Figures are decode-only. Each round's prompts are new (same shared prefix, fresh suffixes),
     so every wave inserts into and matches against the tree.
     """
     vocab = llm.engine.vocab_size
-    if rnd == 0:
-        warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-        llm.generate(make_prompts(vocab, batch, 1000 * wave), warm, use_tqdm=False)
+    if warm:
+        warm_params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        llm.generate(make_prompts(vocab, batch, 1000 * wave), warm_params, use_tqdm=False)
     prompts = make_prompts(vocab, batch, 1000 * wave + rnd + 1)
     # A full collection of an earlier wave's (or a closed engine's) garbage takes 0.1-0.3 s
     # here; it is no cost of the loop, so it must not land inside a timed wave.
@@ -169,20 +172,21 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     print(HEADER, flush=True)
     for name in args.models:
-        # Both engines live at once and their timed waves alternate, round by round, so drift in
-        # the machine's speed (shared cores, frequency) hits both modes alike; figures are the
-        # medians over the rounds, the ratio the median of the per-round ratios.
-        with (
-            LLM(model=ckpts[name], overrides=overrides(args, False)) as off_llm,
-            LLM(model=ckpts[name], overrides=overrides(args, True)) as on_llm,
-        ):
+        # One engine runs both loops (``set_lookahead`` between waves): the same weights, pools
+        # and compiled artifacts, so the modes differ in nothing else. (With two engines alive,
+        # the one built second ran SmolLM2 batch 8 some 15% slower here, whichever its mode.)
+        # Timed waves alternate, round by round, so drift in the machine's speed hits both
+        # modes alike; figures are the medians over the rounds, the ratio the median of the
+        # per-round ratios.
+        with LLM(model=ckpts[name], overrides=overrides(args, False)) as llm:
             for wave, b in enumerate(args.batches):
                 runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
                 for r in range(args.rounds):
                     order = (False, True) if r % 2 == 0 else (True, False)
-                    for lookahead in order:
-                        llm = on_llm if lookahead else off_llm
-                        runs[lookahead].append(run_wave(llm, b, args.new_tokens, wave, r))
+                    for i, lookahead in enumerate(order):
+                        llm.engine.set_lookahead(lookahead)
+                        warm = r == 0 and i == 0  # one warm-up wave per batch
+                        runs[lookahead].append(run_wave(llm, b, args.new_tokens, wave, r, warm))
                 row = summarize(name, b, runs[False], runs[True])
                 rows.append(row)
                 print_row(row)

@@ -378,6 +378,21 @@ class Engine:
             rows=[list(r) for r in req.output_rows] if req.output_rows is not None else None,
         )
 
+    def set_lookahead(self, enable: bool) -> None:
+        """Switch lookahead on or off between steps; nothing may be launched or planned.
+
+        One engine can then time both loops on the same weights, pools and artifacts."""
+        la = self.lookahead
+        if enable == (la is not None):
+            return
+        if la is None:
+            self.lookahead = Lookahead(self, self.cfg.lookahead.min_batch)
+            return
+        if la.inflight is not None or la.plan is not None:
+            raise RuntimeError("set_lookahead: a step is in flight; finish the running requests")
+        la.close()
+        self.lookahead = None
+
     def close(self) -> None:
         if self.lookahead is not None:
             self.lookahead.close()
