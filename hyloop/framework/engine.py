@@ -80,6 +80,7 @@ class Engine:
         self._capture_seen = 0.0
         la = self.cfg.lookahead
         self.clock = DeviceClock(self.runner.device)
+        self._parked: Lookahead | None = None  # switched off by ``set_lookahead``
         self.lookahead: Lookahead | None = (
             Lookahead(self, la.min_batch) if la.enabled_on(self.runner.device) else None
         )
@@ -385,17 +386,18 @@ class Engine:
         la = self.lookahead
         if enable == (la is not None):
             return
-        if la is None:
-            self.lookahead = Lookahead(self, self.cfg.lookahead.min_batch)
+        if la is None:  # its thread (and counters) carry over from the last time it was on
+            la = self._parked or Lookahead(self, self.cfg.lookahead.min_batch)
+            self.lookahead, self._parked = la, None
             return
         if la.inflight is not None or la.plan is not None:
             raise RuntimeError("set_lookahead: a step is in flight; finish the running requests")
-        la.close()
-        self.lookahead = None
+        self.lookahead, self._parked = None, la
 
     def close(self) -> None:
-        if self.lookahead is not None:
-            self.lookahead.close()
+        for la in (self.lookahead, self._parked):
+            if la is not None:
+                la.close()
         self.runner.close()
 
     # -- introspection --------------------------------------------------------------------------

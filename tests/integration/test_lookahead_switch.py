@@ -40,3 +40,11 @@ def test_switch_refused_while_a_step_is_in_flight(tiny_ckpts: dict[str, Path]) -
             eng.set_lookahead(False)
         eng.set_lookahead(True)  # already on: nothing to change
         assert eng.lookahead.inflight is not None
+
+
+def test_switching_back_on_reuses_the_parked_thread(tiny_ckpts: dict[str, Path]) -> None:
+    with LLM(model=tiny_ckpts["llama"], overrides=[*OVERRIDES, "lookahead.enable=true"]) as llm:
+        first = llm.engine.lookahead
+        llm.engine.set_lookahead(False)
+        llm.engine.set_lookahead(True)
+        assert llm.engine.lookahead is first
