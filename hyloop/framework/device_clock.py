@@ -11,6 +11,9 @@ busy period: an idle engine (no batch to run) ends it.
 On CPU a step runs synchronously on the host, so there is nothing to record; the engine's wall
 clock split (``step_exec_time`` / ``host_exposed_time``) already says what this clock would.
 
+NOTE: under lookahead the thread may queue the next plan's input copies on the stream before
+the step's end event is recorded; those few small copies then count as the step's busy time.
+
 Events are booked in launch order by whichever thread resolves the step (one at a time: see
 ``lookahead``), so the clock needs no lock.
 """
