@@ -338,7 +338,7 @@ class Engine:
                 reason = "length"
             if reason is not None:
                 self._finish(req, reason, defer_gen)
-            else:
+            elif req.params.output_kind == "cumulative":
                 outs.append(self._output(req))
         return outs
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import weakref
 from collections.abc import Sequence
@@ -67,6 +68,13 @@ class LLM:
             params = list(sampling_params)
         else:
             params = [sampling_params or self.engine.default_params()] * len(prompts)
+        # Only finished outputs are returned: no per-step output copies while running.
+        final = {
+            id(p): dataclasses.replace(p, output_kind="final_only")
+            for p in params
+            if isinstance(p, SamplingParams)
+        }
+        params = [final.get(id(p), p) for p in params]
         ids = []
         try:
             for prompt, p in zip(prompts, params, strict=True):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 @dataclass
@@ -12,7 +13,10 @@ class SamplingParams:
     ``temperature == 0`` is greedy; ``top_k == -1`` and ``top_p == 1.0`` disable those filters;
     ``seed`` fixes the request's noise (same seed, same tokens, whatever else is batched);
     ``ignore_eos`` keeps generating past EOS (EOS stays an ordinary, sampleable token);
-    ``logprobs = k`` returns the top-k ``{token_id: logprob}`` of each generated position.
+    ``logprobs = k`` returns the top-k ``{token_id: logprob}`` of each generated position;
+    ``output_kind``: ``cumulative`` makes ``Engine.step()`` return the request's output so far
+    at every step (streaming); ``final_only`` returns only its finished output, and spares the
+    host a copy of the output per running request per step (``LLM.generate`` uses it).
     """
 
     temperature: float = 0.0
@@ -23,6 +27,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = field(default=None)
     ignore_eos: bool = False
     logprobs: int | None = None
+    output_kind: Literal["cumulative", "final_only"] = "cumulative"
 
     def validate(self, where: str = "sampling_params") -> None:
         def bad(name: str, value: object, expected: str) -> ValueError:
@@ -46,6 +51,8 @@ class SamplingParams:
             raise bad("seed", self.seed, "an int or None")
         if self.logprobs is not None and (not integer(self.logprobs) or self.logprobs < 0):
             raise bad("logprobs", self.logprobs, "None or an int >= 0")
+        if self.output_kind not in ("cumulative", "final_only"):
+            raise bad("output_kind", self.output_kind, "'cumulative' or 'final_only'")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", self.ignore_eos, "a bool")
         if self.stop_token_ids is not None and (
