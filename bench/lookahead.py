@@ -183,9 +183,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
                 for r in range(args.rounds):
                     order = (False, True) if r % 2 == 0 else (True, False)
-                    for i, lookahead in enumerate(order):
+                    for lookahead in order:
                         llm.engine.set_lookahead(lookahead)
-                        warm = r == 0 and i == 0  # one warm-up wave per batch
+                        warm = r == 0  # one warm-up wave per batch and mode
                         runs[lookahead].append(run_wave(llm, b, args.new_tokens, wave, r, warm))
                 row = summarize(name, b, runs[False], runs[True])
                 rows.append(row)

@@ -81,6 +81,7 @@ class Engine:
         la = self.cfg.lookahead
         self.clock = DeviceClock(self.runner.device)
         self._parked: Lookahead | None = None  # switched off by ``set_lookahead``
+        self._closed = False
         self.lookahead: Lookahead | None = (
             Lookahead(self, la.min_batch) if la.enabled_on(self.runner.device) else None
         )
@@ -227,9 +228,10 @@ class Engine:
             batch = self.scheduler.next_batch()
             if batch is None:
                 self.check_idle()
-                self.clock.pause()
             else:
                 outputs += self.run_sync(batch, t0)
+        if not self.has_unfinished_requests():
+            self.clock.pause()  # waiting for new requests is no host time of this loop
         for hook in self.step_hooks:
             hook(self)
         return outputs
@@ -250,9 +252,9 @@ class Engine:
         """Launch and resolve one step on this thread (``t0``: when its scheduling began)."""
         prepared = self.prepare_decode(batch)
         t_exec = time.perf_counter()
-        marks = self.clock.begin(batch.is_decode)
+        marks, captured = self.clock.begin(batch.is_decode), self.runner.capture_seconds()
         result = self.runner.execute(prepared, keep_logits=self.capture_logits)
-        self.clock.end(marks)
+        self.clock.end(marks, captured=self.runner.capture_seconds() > captured)
         next_ids = result.next_ids.tolist()
         if result.next_rows is not None:
             result.next_rows = result.next_rows.tolist()
@@ -383,6 +385,10 @@ class Engine:
         """Switch lookahead on or off between steps; nothing may be launched or planned.
 
         One engine can then time both loops on the same weights, pools and artifacts."""
+        if not isinstance(enable, bool):
+            raise TypeError(f"set_lookahead: enable must be a bool, got {enable!r}")
+        if self._closed:
+            raise RuntimeError("set_lookahead: the engine is closed")
         la = self.lookahead
         if enable == (la is not None):
             return
@@ -395,6 +401,7 @@ class Engine:
         self.lookahead, self._parked = None, la
 
     def close(self) -> None:
+        self._closed = True
         for la in (self.lookahead, self._parked):
             if la is not None:
                 la.close()
@@ -418,9 +425,10 @@ class Engine:
         d.update(self.runner.graph_stats())
         d["weight_bytes"] = self.parts.weight_bytes
         d.update(self.clock.stats())
-        if self.lookahead is not None:
-            d["lookahead_hidden_host_s"] = self.lookahead.hidden_host_s
-            d["lookahead_wait_s"] = self.lookahead.exposed_wait_s
+        la = self.lookahead or self._parked  # a parked one keeps its counters
+        if la is not None:
+            d["lookahead_hidden_host_s"] = la.hidden_host_s
+            d["lookahead_wait_s"] = la.exposed_wait_s
         d["kv_free_tokens"] = self.kv_alloc.available_size()
         d["kv_capacity_tokens"] = self.kv_alloc.capacity
         d["cache_evictable_tokens"] = self.cache.evictable_size()

@@ -107,7 +107,6 @@ class Lookahead:
             batch = eng.scheduler.next_batch()
             if batch is None:
                 eng.check_idle()
-                eng.clock.pause()
                 return outputs
             if not batch.is_decode or batch.size < self.min_batch:
                 return outputs + eng.run_sync(batch, t0)
@@ -228,9 +227,9 @@ class Lookahead:
         eng = self.engine
         reads = _reads(batch) if reads is None else reads
         t_exec = time.perf_counter()
-        marks = eng.clock.begin(batch.is_decode)
+        marks, captured = eng.clock.begin(batch.is_decode), eng.runner.capture_seconds()
         result = eng.runner.execute(prepared, eng.capture_logits, on_staged)
-        eng.clock.end(marks)
+        eng.clock.end(marks, captured=eng.runner.capture_seconds() > captured)
         host_ids, event = _host_copy(result.next_ids)
         dt_exec = time.perf_counter() - t_exec  # on CUDA the launch only: see ``DeviceClock``
         eng.account(batch, time.perf_counter() - t0, dt_exec)
@@ -304,5 +303,5 @@ def _host_copy(next_ids: torch.Tensor) -> tuple[torch.Tensor, Any]:
     host = torch.empty(next_ids.shape, dtype=next_ids.dtype, pin_memory=True)
     host.copy_(next_ids, non_blocking=True)
     event = torch.cuda.Event()
-    event.record()
+    event.record(torch.cuda.current_stream(next_ids.device))  # the copy's device: may be cuda:1
     return host, event

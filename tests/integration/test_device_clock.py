@@ -91,6 +91,38 @@ def test_steps_in_flight_are_booked_after_they_end() -> None:
     assert clock.stats()["decode_device_busy_time"] == pytest.approx(2.0)
 
 
+def test_a_capturing_step_keeps_its_gap_but_not_its_busy_time() -> None:
+    line = FakeTimeline()
+    clock = DeviceClock(torch.device("cpu"), event=line.event)
+    clock.book(step(clock, line, 0.0, 1.0, decode=True))
+    line.now += 0.5
+    marks = clock.begin(True)
+    line.now += 40.0  # a first-use compile between the events
+    clock.end(marks, captured=True)
+    clock.book(marks)
+    clock.book(step(clock, line, 0.25, 1.0, decode=True))
+    s = clock.stats()
+    assert s["device_captured_steps"] == 1 and s["device_timed_steps"] == 3
+    assert s["decode_device_busy_time"] == pytest.approx(2.0)
+    assert s["decode_device_idle_time"] == pytest.approx(0.75)
+
+
+def test_booked_events_are_recorded_again() -> None:
+    line = FakeTimeline()
+    made = []
+
+    def event() -> Any:
+        made.append(line.event())
+        return made[-1]
+
+    clock = DeviceClock(torch.device("cpu"), event=event)
+    for _ in range(50):
+        clock.book(step(clock, line, 0.1, 1.0, decode=True))
+    assert len(made) <= 4
+    assert clock.stats()["decode_device_busy_time"] == pytest.approx(50.0)
+    assert clock.stats()["decode_device_idle_time"] == pytest.approx(4.9)
+
+
 def test_off_on_cpu_and_book_needs_an_end() -> None:
     clock = DeviceClock(torch.device("cpu"))
     assert not clock.enabled
@@ -123,7 +155,10 @@ class HostEvent:
         return (other.t - self.t) * 1e3
 
 
-def run_timed(ckpt: Path, lookahead: bool, device: str) -> tuple[dict[str, Any], list[Any], float]:
+def run_timed(
+    ckpt: Path, lookahead: bool, device: str, pause_s: float = 0.0
+) -> tuple[dict[str, Any], list[Any], float]:
+    """Two waves of requests, ``pause_s`` apart (the pause is not in the wall time)."""
     overrides = [
         f"device={device}",
         "graphs.backend=eager",
@@ -138,16 +173,22 @@ def run_timed(ckpt: Path, lookahead: bool, device: str) -> tuple[dict[str, Any],
         real_book = eng.clock.book
 
         def book(marks: Any) -> None:
-            booked.append(marks)
+            # Booked events are recorded again later: keep what they read at booking.
+            times = (marks.start.t, marks.end.t) if device == "cpu" else None
+            booked.append((marks, times))
             real_book(marks)
 
         eng.clock.book = book  # type: ignore[method-assign]
         prompts = [[5 + i, 7, 9, 11 + i] for i in range(4)]
         params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        wall = time.perf_counter() - t0
-        assert all(len(o.token_ids) == 12 for o in outs)
+        wall = 0.0
+        for wave in range(2):
+            if wave:
+                time.sleep(pause_s)
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            wall += time.perf_counter() - t0
+            assert all(len(o.token_ids) == 12 for o in outs)
         return llm.stats(), booked, wall
 
 
@@ -158,26 +199,35 @@ def test_every_step_is_booked_once_in_launch_order(
     stats, booked, wall = run_timed(tiny_ckpts["llama"], lookahead, "cpu")
     steps = stats["prefill_steps"] + stats["decode_steps"]
     assert len(booked) == steps == stats["device_timed_steps"]
-    assert len({id(m) for m in booked}) == steps  # once each
-    starts = [m.start.t for m in booked]
-    assert starts == sorted(starts)  # launch order
-    for a, b in zip(booked, booked[1:], strict=False):
-        assert a.start.t <= a.end.t <= b.end.t
-    assert sum(not m.decode for m in booked) == stats["prefill_steps"]
+    assert len({id(m) for m, _ in booked}) == steps  # once each
+    times = [t for _, t in booked]
+    for (a_start, a_end), (b_start, _) in zip(times, times[1:], strict=False):
+        assert a_start <= a_end <= b_start  # in launch order, and steps do not overlap
+    assert sum(not m.decode for m, _ in booked) == stats["prefill_steps"]
     busy, idle = stats["decode_device_busy_time"], stats["decode_device_idle_time"]
-    assert busy > 0 and idle > 0
+    assert busy > 0
     assert busy + idle <= wall
+
+
+@pytest.mark.parametrize("lookahead", [False, True], ids=["sync", "lookahead"])
+def test_the_wait_between_runs_is_no_gap(tiny_ckpts: dict[str, Path], lookahead: bool) -> None:
+    """The engine running dry ends a busy period: a pause between two ``generate`` calls does
+    not show up as device idle time (in total, not only before decode steps)."""
+    stats, _, wall = run_timed(tiny_ckpts["llama"], lookahead, "cpu", pause_s=0.5)
+    assert stats["device_idle_time"] < 0.5
+    assert stats["device_busy_time"] + stats["device_idle_time"] <= wall
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("lookahead", [False, True], ids=["sync", "lookahead"])
 def test_cuda_events_time_every_step(tiny_ckpts: dict[str, Path], lookahead: bool) -> None:
-    stats, booked, wall = run_timed(tiny_ckpts["llama"], lookahead, "cuda")
-    assert len(booked) == stats["prefill_steps"] + stats["decode_steps"]
-    busy, idle = stats["decode_device_busy_time"], stats["decode_device_idle_time"]
-    assert busy > 0 and idle >= 0
-    assert busy + idle <= wall
+    stats, booked, wall = run_timed(tiny_ckpts["llama"], lookahead, "cuda", pause_s=0.5)
+    steps = stats["prefill_steps"] + stats["decode_steps"]
+    assert len(booked) == steps == stats["device_timed_steps"]
+    assert 0 < stats["decode_device_busy_time"] <= stats["device_busy_time"]
+    assert stats["decode_device_idle_time"] <= stats["device_idle_time"]
+    assert stats["device_busy_time"] + stats["device_idle_time"] <= wall  # pause left out
 
 
 def test_summary_reports_device_time(tiny_ckpts: dict[str, Path]) -> None:

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
 
 from hyloop import LLM, SamplingParams
 
-OVERRIDES = ["graphs.backend=eager", "lookahead.min_batch=1", "cache.enable=true"]
+OVERRIDES = [
+    "graphs.backend=eager",
+    "lookahead.min_batch=1",
+    "cache.enable=true",
+    "kv_pool.num_pages=512",  # check_invariants walks the whole pool
+]
 
 
 def waves() -> list[list[list[int]]]:
@@ -25,16 +31,55 @@ def test_switching_between_waves_keeps_outputs(tiny_ckpts: dict[str, Path]) -> N
         for w, prompts in enumerate(waves()):
             llm.engine.set_lookahead(w % 2 == 0)
             assert (llm.engine.lookahead is not None) == (w % 2 == 0)
+            hidden = llm.stats().get("lookahead_hidden_host_s", 0.0)
             got.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+            ran = llm.stats().get("lookahead_hidden_host_s", 0.0) > hidden
+            assert ran == (w % 2 == 0)  # the thread resolved steps exactly when on
             llm.engine.check_invariants()
     assert got == expected
+
+
+def test_switching_at_random_steps_mid_run(tiny_ckpts: dict[str, Path]) -> None:
+    """Requests keep running across switches: a switch lands whenever nothing is in flight
+    (after a drain) and is refused otherwise; tokens and the ledger stay those of the sync loop."""
+    rng = random.Random(5)
+    params = [
+        SamplingParams(temperature=0.8, seed=i, max_tokens=rng.randint(4, 24), ignore_eos=True)
+        for i in range(12)
+    ]
+    prompts = [[7, 9, 11, 13, 15, 17][: rng.randint(1, 6)] + [20 + i] for i in range(12)]
+    with LLM(model=tiny_ckpts["llama"], overrides=[*OVERRIDES, "lookahead.enable=false"]) as ref:
+        expected = [o.token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
+    with LLM(model=tiny_ckpts["llama"], overrides=[*OVERRIDES, "lookahead.enable=false"]) as llm:
+        eng = llm.engine
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            eng.add_request(f"r{i}", prompt, p)
+        done: dict[str, list[int]] = {}
+        switched = refused = steps = 0
+        while eng.has_unfinished_requests():
+            want = rng.random() < 0.5
+            try:
+                eng.set_lookahead(want)
+                switched += (eng.lookahead is not None) == want
+            except RuntimeError:
+                refused += 1
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id] = out.token_ids
+            eng.check_invariants()
+            steps += 1
+            assert steps < 2000, "no progress"
+    assert [done[f"r{i}"] for i in range(12)] == expected
+    assert switched and refused  # both outcomes exercised
 
 
 def test_switch_refused_while_a_step_is_in_flight(tiny_ckpts: dict[str, Path]) -> None:
     with LLM(model=tiny_ckpts["llama"], overrides=[*OVERRIDES, "lookahead.enable=true"]) as llm:
         eng = llm.engine
         eng.add_request("a", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
-        while eng.lookahead is None or eng.lookahead.inflight is None:
+        for _ in range(10):
+            if eng.lookahead is not None and eng.lookahead.inflight is not None:
+                break
             eng.step()
         with pytest.raises(RuntimeError, match="in flight"):
             eng.set_lookahead(False)
@@ -45,6 +90,18 @@ def test_switch_refused_while_a_step_is_in_flight(tiny_ckpts: dict[str, Path]) -
 def test_switching_back_on_reuses_the_parked_thread(tiny_ckpts: dict[str, Path]) -> None:
     with LLM(model=tiny_ckpts["llama"], overrides=[*OVERRIDES, "lookahead.enable=true"]) as llm:
         first = llm.engine.lookahead
+        assert first is not None
         llm.engine.set_lookahead(False)
         llm.engine.set_lookahead(True)
         assert llm.engine.lookahead is first
+        llm.engine.set_lookahead(False)
+    assert first._pool._shutdown  # close() shut the parked thread down too
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.engine.set_lookahead(True)
+
+
+def test_set_lookahead_wants_a_bool(tiny_ckpts: dict[str, Path]) -> None:
+    with LLM(model=tiny_ckpts["llama"], overrides=[*OVERRIDES, "lookahead.enable=true"]) as llm:
+        with pytest.raises(TypeError, match="bool"):
+            llm.engine.set_lookahead("auto")  # type: ignore[arg-type]
+        assert llm.engine.lookahead is not None
