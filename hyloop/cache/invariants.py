@@ -68,13 +68,12 @@ def _check_kv_ledger(
     if held.numel() != torch.unique(held).numel():
         raise AssertionError("kv ledger: a KV slot is held by two tree nodes")
     ps = cache.page_size
-    pages = torch.unique(held // ps).tolist()
+    pages = torch.unique(held // ps).numpy()
     if len(pages) * ps != held.numel():
         raise AssertionError("kv ledger: tree nodes hold partial pages")
-    free_pages = alloc.free_page_ids()
-    both = free_pages.intersection(pages)
-    if both:
-        raise AssertionError(f"kv ledger: pages {sorted(both)[:8]} are both free and in the tree")
+    both = pages[alloc.is_free_page(pages)]  # the free bitmap: no set of the whole free list
+    if len(both):
+        raise AssertionError(f"kv ledger: pages {both[:8].tolist()} are both free and in the tree")
     total = alloc.available_size() + pending_free + request_held + held.numel()
     if total != alloc.capacity:
         raise AssertionError(

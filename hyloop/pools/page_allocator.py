@@ -162,12 +162,17 @@ class PageAllocator:
         return set(self._stack[: self._top].tolist())
 
     def check_invariants(self) -> None:
+        """O(pages) with no sort: a default pool holds ~10^6 pages and this runs every step in
+        the tests (``np.unique`` took ~0.7 s there)."""
         free = self._stack[: self._top]
-        if len(np.unique(free)) != len(free):
+        if len(free) and int(np.bincount(free, minlength=self.num_pages).max()) > 1:
             raise AssertionError("page allocator: duplicate page in the free list")
         if (free == 0).any():
             raise AssertionError("page allocator: the padding page 0 is in the free list")
-        if int(self._is_free.sum()) - 1 != len(free) or not self._is_free[0]:
+        # No duplicates, every listed page marked free and as many marks as pages: the free
+        # list and the bitmap hold the same set.
+        marks = int(self._is_free.sum()) - 1
+        if marks != len(free) or not self._is_free[0] or not self._is_free[free].all():
             raise AssertionError("page allocator: free bitmap and free list disagree")
         if (self._is_free & self._is_pending).any():
             raise AssertionError("page allocator: a page is both free and pending-free")

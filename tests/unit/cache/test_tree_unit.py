@@ -260,3 +260,30 @@ def test_no_reuse_cache() -> None:
     assert cache.evict(EvictParams(num_tokens=10)).num_tokens_evicted == 0
     assert (cache.evictable_size(), cache.protected_size()) == (0, 0)
     cache.check_invariants()
+
+
+# -- the ledger checks can fail ----------------------------------------------------------------
+
+
+def test_allocator_check_catches_a_duplicate_and_a_stale_mark() -> None:
+    alloc = PageAllocator(num_pages=16, page_size=4)
+    alloc.check_invariants()
+    dup = PageAllocator(num_pages=16, page_size=4)
+    dup._stack[0] = dup._stack[1]  # one page listed twice, another lost
+    with pytest.raises(AssertionError, match="duplicate"):
+        dup.check_invariants()
+    stale = PageAllocator(num_pages=16, page_size=4)
+    stale._is_free[int(stale._stack[0])] = False  # listed free, marked taken
+    stale._is_free[0] = True
+    with pytest.raises(AssertionError, match="disagree"):
+        stale.check_invariants()
+
+
+def test_ledger_catches_a_tree_page_on_the_free_list() -> None:
+    cache, alloc = make(page_size=4)
+    _, value = put(cache, alloc, list(range(1, 9)))
+    cache.check_invariants()
+    page = int(value[0]) // 4
+    alloc._push(alloc._order[page : page + 1].copy())  # the tree's page handed back too early
+    with pytest.raises(AssertionError, match="both free and in the tree"):
+        cache.check_invariants()
