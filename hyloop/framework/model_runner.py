@@ -169,10 +169,13 @@ class ModelRunner:
         return self._context(batch, ids, pos, loc)
 
     def _decode_context(self, batch: Batch) -> StepContext:
-        pos, loc = [], []
-        for c in batch.chunks:
-            pos.append(c.start)
-            loc.append(int(c.req.slots[c.start]))
+        i64 = torch.int64
+        chunks = batch.chunks
+        pos = self.to_device(torch.tensor([c.start for c in chunks], dtype=i64))
+        rows = self.to_device(torch.tensor([c.req.req_row for c in chunks], dtype=i64))
+        # Each new token's KV slot, read where the table holds it (every slot a request owns is
+        # written there at admission): one gather on the step's device, not a host read per row.
+        loc = self.req_to_token.table[rows, pos].to(i64)
         if batch.input_ids is not None:
             ids = batch.input_ids.view(-1, 1, *self.row_shape)  # on the device (lookahead)
         elif self.row_shape:
@@ -181,23 +184,28 @@ class ModelRunner:
         else:
             ids = torch.tensor([c.req.output_ids[-1] for c in batch.chunks], dtype=torch.int64)
             ids = ids.view(-1, 1)
-        as_col = lambda xs: torch.tensor(xs, dtype=torch.int64).view(-1, 1)  # noqa: E731
-        return self._context(batch, ids, as_col(pos), as_col(loc))
+        return self._context(batch, ids, pos.view(-1, 1), loc.view(-1, 1), rows)
 
     def _context(
-        self, batch: Batch, ids: torch.Tensor, pos: torch.Tensor, loc: torch.Tensor
+        self,
+        batch: Batch,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        loc: torch.Tensor,
+        rows: torch.Tensor | None = None,
     ) -> StepContext:
         chunks = batch.chunks
-        dev = self.device
         h2d = self.to_device
         i64 = torch.int64
         prefix = [c.start for c in chunks]
         ext = [c.length for c in chunks]
+        if rows is None:
+            rows = h2d(torch.tensor([c.req.req_row for c in chunks], dtype=i64))
         return StepContext(
-            input_ids=ids if ids.device.type == dev.type else h2d(ids),  # lookahead ids: on device
+            input_ids=h2d(ids),  # lookahead ids are on the device already
             positions=h2d(pos),
             out_cache_loc=h2d(loc),
-            req_rows=h2d(torch.tensor([c.req.req_row for c in chunks], dtype=i64)),
+            req_rows=rows,
             prefix_lens=h2d(torch.tensor(prefix, dtype=i64)),
             extend_lens=h2d(torch.tensor(ext, dtype=i64)),
             req_to_token=self.req_to_token.table,
@@ -211,8 +219,9 @@ class ModelRunner:
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
         """A host tensor on the step's device. On CUDA the copy goes through pinned memory and
-        is queued on the current stream, so preparing step N+2 never waits for step N+1."""
-        if self.device.type != "cuda":
+        is queued on the current stream, so preparing step N+2 never waits for step N+1.
+        A tensor already on the device is returned as it is."""
+        if self.device.type != "cuda" or host.device.type == "cuda":
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
 
