@@ -225,8 +225,10 @@ class ModelRunner:
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
 
-    def build_sampling(self, batch: Batch) -> SamplingTensors:
-        temps, topk, topp, seeds, outpos = [], [], [], [], []
+    def _sampling_rows(self, batch: Batch) -> tuple[list[list[float]], list[list[int]], bool, int]:
+        """Per-row sampling values: ``[temperature, top_p]`` floats, ``[top_k, seed, out_pos]``
+        ints (one list per field), whether any row filters, and the logprobs to return."""
+        temps, topp, topk, seeds, outpos = [], [], [], [], []
         filtered, nlp = False, 0
         for c in batch.chunks:
             p = c.req.params
@@ -238,6 +240,10 @@ class ModelRunner:
             filtered = filtered or p.needs_filter
             if p.logprobs is not None:
                 nlp = max(nlp, p.logprobs, 1)
+        return [temps, topp], [topk, seeds, outpos], filtered, min(nlp, self.vocab_size)
+
+    def build_sampling(self, batch: Batch) -> SamplingTensors:
+        (temps, topp), (topk, seeds, outpos), filtered, nlp = self._sampling_rows(batch)
         h2d = self.to_device
         return SamplingTensors(
             temperature=h2d(torch.tensor(temps, dtype=torch.float32)),
@@ -246,7 +252,7 @@ class ModelRunner:
             seeds=h2d(torch.tensor(seeds, dtype=torch.int64)),
             out_pos=h2d(torch.tensor(outpos, dtype=torch.int64)),
             filtered=filtered,
-            num_logprobs=min(nlp, self.vocab_size),
+            num_logprobs=nlp,
             greedy_only=all(t == 0 for t in temps),
         )
 
@@ -280,25 +286,51 @@ class ModelRunner:
         return {k: v for k, v in vars(out).items() if v is not None}
 
     def decode_inputs(self, batch: Batch) -> StepInputs:
-        ctx = self._decode_context(batch)
-        st = self.build_sampling(batch)
+        """A captured decode step's inputs. Every per-row int goes to the device in one tensor
+        and every float in another (fields are its rows: contiguous views), so a step costs two
+        host-to-device copies, not one per field; the new tokens' KV slots are then gathered
+        from the req->token table on the device."""
+        chunks = batch.chunks
+        floats, sampling_ints, filtered, nlp = self._sampling_rows(batch)
+        pos = [c.start for c in chunks]
+        ints = [
+            pos,
+            [c.req.req_row for c in chunks],
+            [c.req.state_slot for c in chunks],
+            [c.track_slot for c in chunks],
+            [1] * len(chunks),  # extend lens
+            *sampling_ints,  # top_k, seeds, out_pos
+        ]
+        if batch.input_ids is None and not self.row_shape:
+            ints.append([c.req.output_ids[-1] for c in chunks])
+        packed = self.to_device(torch.tensor(ints, dtype=torch.int64))
+        f32 = self.to_device(torch.tensor(floats, dtype=torch.float32))
+        positions, rows = packed[0], packed[1]
+        if batch.input_ids is not None:
+            ids = batch.input_ids.view(-1, 1, *self.row_shape)  # on the device (lookahead)
+        elif self.row_shape:
+            rows_out = [c.req.output_rows[-1] for c in chunks]
+            ids = self.to_device(torch.tensor(rows_out, dtype=torch.int64))
+            ids = ids.view(-1, 1, *self.row_shape)
+        else:
+            ids = packed[8].view(-1, 1)
         return StepInputs(
-            input_ids=ctx.input_ids,
-            positions=ctx.positions,
-            out_cache_loc=ctx.out_cache_loc,
-            req_rows=ctx.req_rows,
-            prefix_lens=ctx.prefix_lens,
-            extend_lens=ctx.extend_lens,
-            state_slots=ctx.state_slots,
-            track_slots=ctx.track_slots,
-            temperature=st.temperature,
-            top_k=st.top_k,
-            top_p=st.top_p,
-            seeds=st.seeds,
-            out_pos=st.out_pos,
-            kv_len=ctx.kv_len,
-            filtered=st.filtered,
-            num_logprobs=st.num_logprobs,
+            input_ids=ids,
+            positions=positions.view(-1, 1),
+            out_cache_loc=self.req_to_token.table[rows, positions].to(torch.int64).view(-1, 1),
+            req_rows=rows,
+            prefix_lens=positions,
+            extend_lens=packed[4],
+            state_slots=packed[2],
+            track_slots=packed[3],
+            temperature=f32[0],
+            top_k=packed[5],
+            top_p=f32[1],
+            seeds=packed[6],
+            out_pos=packed[7],
+            kv_len=max(pos) + 1,
+            filtered=filtered,
+            num_logprobs=nlp,
         )
 
     # -- run ------------------------------------------------------------------------------------
