@@ -38,7 +38,8 @@ rm -rf "$LOGS"
 mkdir -p "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1
 
-if compgen -G ".whl/*.whl" >/dev/null; then
+# The wheels are for the GPU machine's Python; a CPU smoke run uses the local environment.
+if [[ "$DEVICE" != cpu ]] && compgen -G ".whl/*.whl" >/dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || { echo "wheel install failed"; exit 2; }
   export PYTHONPATH=/tmp/site:$PWD
