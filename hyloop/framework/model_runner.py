@@ -148,8 +148,9 @@ class ModelRunner:
 
     # -- inputs ---------------------------------------------------------------------------------
     def build_context(self, batch: Batch) -> StepContext:
-        if batch.is_decode:
-            return self._decode_context(batch)
+        if batch.is_decode:  # the same inputs a captured step gets
+            inputs = self.decode_inputs(batch)
+            return inputs.to_context(self.req_to_token.table, self.kv, self.recurrent)
         chunks = batch.chunks
         b = len(chunks)
         t = max(c.length for c in chunks)
@@ -168,44 +169,19 @@ class ModelRunner:
             loc[i, : c.length] = req.slots[c.start : c.start + c.length]
         return self._context(batch, ids, pos, loc)
 
-    def _decode_context(self, batch: Batch) -> StepContext:
-        i64 = torch.int64
-        chunks = batch.chunks
-        pos = self.to_device(torch.tensor([c.start for c in chunks], dtype=i64))
-        rows = self.to_device(torch.tensor([c.req.req_row for c in chunks], dtype=i64))
-        # Each new token's KV slot, read where the table holds it (every slot a request owns is
-        # written there at admission): one gather on the step's device, not a host read per row.
-        loc = self.req_to_token.table[rows, pos].to(i64)
-        if batch.input_ids is not None:
-            ids = batch.input_ids.view(-1, 1, *self.row_shape)  # on the device (lookahead)
-        elif self.row_shape:
-            ids = torch.tensor([c.req.output_rows[-1] for c in batch.chunks], dtype=torch.int64)
-            ids = ids.view(-1, 1, *self.row_shape)
-        else:
-            ids = torch.tensor([c.req.output_ids[-1] for c in batch.chunks], dtype=torch.int64)
-            ids = ids.view(-1, 1)
-        return self._context(batch, ids, pos.view(-1, 1), loc.view(-1, 1), rows)
-
     def _context(
-        self,
-        batch: Batch,
-        ids: torch.Tensor,
-        pos: torch.Tensor,
-        loc: torch.Tensor,
-        rows: torch.Tensor | None = None,
+        self, batch: Batch, ids: torch.Tensor, pos: torch.Tensor, loc: torch.Tensor
     ) -> StepContext:
         chunks = batch.chunks
         h2d = self.to_device
         i64 = torch.int64
         prefix = [c.start for c in chunks]
         ext = [c.length for c in chunks]
-        if rows is None:
-            rows = h2d(torch.tensor([c.req.req_row for c in chunks], dtype=i64))
         return StepContext(
-            input_ids=h2d(ids),  # lookahead ids are on the device already
+            input_ids=h2d(ids),
             positions=h2d(pos),
             out_cache_loc=h2d(loc),
-            req_rows=rows,
+            req_rows=h2d(torch.tensor([c.req.req_row for c in chunks], dtype=i64)),
             prefix_lens=h2d(torch.tensor(prefix, dtype=i64)),
             extend_lens=h2d(torch.tensor(ext, dtype=i64)),
             req_to_token=self.req_to_token.table,
