@@ -14,6 +14,7 @@ from hyloop.cache.params import (
     MatchPrefixParams,
     MatchResult,
 )
+from hyloop.cache.protocol import PrefixCache
 from hyloop.cache.tree import UnifiedRadixCache
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "MatchPrefixParams",
     "MatchResult",
     "NoReuseCache",
+    "PrefixCache",
     "RadixKey",
     "TreeNode",
     "UnifiedRadixCache",

@@ -3,16 +3,45 @@
 The core owns the tree shape and the FULL backbone values; a component decides where it hits,
 what a lock pins, what a match refreshes and how its data is evicted. A node that keeps no data
 for a component holds a tombstone there (``value is None``), which the core skips.
+
+The core calls the hooks of ``CacheComponent``; a component calls back only the
+``ComponentHost`` surface of the core, never its private state.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
+
+import torch
 
 from hyloop.cache.node import TreeNode
 
-if TYPE_CHECKING:
-    from hyloop.cache.tree import UnifiedRadixCache
+
+class ComponentHost(Protocol):
+    """What a component may use of the tree core (``UnifiedRadixCache`` implements it).
+
+    Frees are queued, not done: the core hands them to the allocators in one batch at the end
+    of the operation.
+    """
+
+    leaves: set[TreeNode]
+
+    def delete_leaf(self, node: TreeNode) -> None:
+        """Remove the unlocked leaf ``node`` with every component's data."""
+        ...
+
+    def tombstone(self, node: TreeNode, comp: CacheComponent) -> bool:
+        """Drop ``comp``'s data on internal ``node`` (cascading to lower priorities); False,
+        changing nothing, while any of them is locked there."""
+        ...
+
+    def queue_kv_free(self, indices: torch.Tensor) -> None:
+        """Give KV slot ``indices`` back to the KV allocator at the end of the operation."""
+        ...
+
+    def queue_slot_free(self, slot: int) -> None:
+        """Give a recurrent snapshot ``slot`` back to its allocator at the end of the operation."""
+        ...
 
 
 class CacheComponent:
@@ -24,7 +53,7 @@ class CacheComponent:
     # so evicting any component of a leaf removes the whole leaf.
     priority: int = 0
 
-    def __init__(self, cache: UnifiedRadixCache) -> None:
+    def __init__(self, cache: ComponentHost) -> None:
         self.cache = cache
         self.evictable = 0
         self.protected = 0
@@ -54,6 +83,12 @@ class CacheComponent:
 
     def on_delete(self, node: TreeNode) -> None:
         """``node`` leaves the tree: release this component's data."""
+
+    def drop(self, node: TreeNode) -> int:
+        """Tombstone this component's (unlocked) data on ``node``, which stays in the tree;
+        returns what was dropped (tokens, or snapshots for RECURRENT). Called by the core's
+        ``tombstone`` cascade."""
+        return 0
 
     # -- locks ----------------------------------------------------------------------------------
     def lock(self, node: TreeNode) -> Any:

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from hyloop.cache.component_base import CacheComponent
+from hyloop.cache.component_base import CacheComponent, ComponentHost
 from hyloop.cache.lru import LeafHeap
 from hyloop.cache.node import FULL, TreeNode
-
-if TYPE_CHECKING:
-    from hyloop.cache.tree import UnifiedRadixCache
 
 
 def _full_stamp(node: TreeNode) -> int:
@@ -29,7 +24,7 @@ class FullComponent(CacheComponent):
     name = "full"
     priority = 2
 
-    def __init__(self, cache: UnifiedRadixCache) -> None:
+    def __init__(self, cache: ComponentHost) -> None:
         super().__init__(cache)
         self.heap = LeafHeap(_full_stamp)
 
@@ -69,8 +64,12 @@ class FullComponent(CacheComponent):
     def on_delete(self, node: TreeNode) -> None:
         cd = node.component_data[FULL]
         self.evictable -= node.length
-        self.cache._kv_to_free.append(cd.value)
+        self.cache.queue_kv_free(cd.value)
         cd.value = None
+
+    def drop(self, node: TreeNode) -> int:
+        # NOTE: FULL has no tombstones; its data leaves only with the node (``delete_leaf``).
+        raise AssertionError(f"full: node {node.id} cannot be tombstoned, only removed")
 
     # -- locks ----------------------------------------------------------------------------------
     def lock(self, node: TreeNode) -> int:
@@ -112,7 +111,7 @@ class FullComponent(CacheComponent):
             if node is None:
                 break
             evicted += node.length
-            cache._delete_leaf(node)
+            cache.delete_leaf(node)
         self.heap.maybe_rebuild(self._evictable_leaves, len(cache.leaves))
         return evicted
 

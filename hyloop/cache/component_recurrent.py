@@ -9,15 +9,10 @@ removes a snapshot leaf whole.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from hyloop.cache.component_base import CacheComponent
+from hyloop.cache.component_base import CacheComponent, ComponentHost
 from hyloop.cache.lru import LRUList
 from hyloop.cache.node import FULL, RECURRENT, TreeNode
 from hyloop.pools.slot_allocator import SlotAllocator
-
-if TYPE_CHECKING:
-    from hyloop.cache.tree import UnifiedRadixCache
 
 
 class RecurrentComponent(CacheComponent):
@@ -25,7 +20,7 @@ class RecurrentComponent(CacheComponent):
     name = "recurrent"
     priority = 0
 
-    def __init__(self, cache: UnifiedRadixCache, allocator: SlotAllocator) -> None:
+    def __init__(self, cache: ComponentHost, allocator: SlotAllocator) -> None:
         super().__init__(cache)
         if not isinstance(allocator, SlotAllocator):
             raise TypeError(
@@ -53,7 +48,7 @@ class RecurrentComponent(CacheComponent):
         cd = node.component_data[RECURRENT]
         if cd.value is not None:
             if cd.value != slot:
-                self.cache._slots_to_free.append(slot)
+                self.cache.queue_slot_free(slot)
             self.lru.push_mru(cd, stamp)
             return False
         cd.value = slot
@@ -70,11 +65,13 @@ class RecurrentComponent(CacheComponent):
         return
 
     def drop(self, node: TreeNode) -> int:
+        """Tombstone ``node``'s snapshot (unlocked) and queue its slot's free; returns 1 when
+        there was one."""
         cd = node.component_data[RECURRENT]
         if cd.value is None:
             return 0
         self.lru.remove(cd)
-        self.cache._slots_to_free.append(cd.value)
+        self.cache.queue_slot_free(cd.value)
         cd.value = None
         self.evictable -= 1
         return 1
@@ -117,9 +114,9 @@ class RecurrentComponent(CacheComponent):
                 continue
             node = cd.node
             if not node.children and node.component_data[FULL].lock_ref == 0:
-                cache._delete_leaf(node)
+                cache.delete_leaf(node)
                 evicted += 1
-            elif cache._tombstone(node, self):
+            elif cache.tombstone(node, self):
                 evicted += 1
         return evicted
 

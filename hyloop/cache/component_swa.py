@@ -9,14 +9,9 @@ per component so a pool with separate window slots can free into its own allocat
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from hyloop.cache.component_base import CacheComponent
+from hyloop.cache.component_base import CacheComponent, ComponentHost
 from hyloop.cache.lru import LRUList
 from hyloop.cache.node import FULL, SWA, TreeNode
-
-if TYPE_CHECKING:
-    from hyloop.cache.tree import UnifiedRadixCache
 
 # Run length standing for "no tombstone between the root and here".
 _FROM_ROOT = 1 << 62
@@ -29,7 +24,7 @@ class SWAComponent(CacheComponent):
     name = "swa"
     priority = 1
 
-    def __init__(self, cache: UnifiedRadixCache, window: int) -> None:
+    def __init__(self, cache: ComponentHost, window: int) -> None:
         super().__init__(cache)
         if not isinstance(window, int) or window < 1:
             raise ValueError(f"sliding_window must be an int >= 1, got {window!r}")
@@ -160,8 +155,8 @@ class SWAComponent(CacheComponent):
             if not node.children and node.component_data[FULL].lock_ref == 0:
                 # A leaf's priority is 0 for every component: the whole leaf goes.
                 evicted += node.length
-                cache._delete_leaf(node)
-            elif cache._tombstone(node, self):
+                cache.delete_leaf(node)
+            elif cache.tombstone(node, self):
                 evicted += node.length
         return evicted
 

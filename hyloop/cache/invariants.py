@@ -49,7 +49,7 @@ def _check_locks(cache: UnifiedRadixCache, nodes: list[TreeNode]) -> None:
         for receipt, tokens in cache._receipts.values():
             if not receipt.node.alive:
                 raise AssertionError(f"locks: receipt {receipt.receipt_id} is on a removed node")
-            c.expected_locks(receipt.node, tokens[cache.components.index(c)], counts)
+            c.expected_locks(receipt.node, tokens[c.kind], counts)
         for node in nodes:
             got = node.component_data[c.kind].lock_ref
             want = counts.get(node.id, 0)

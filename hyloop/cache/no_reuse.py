@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 
@@ -29,7 +30,9 @@ from hyloop.pools.slot_allocator import SlotAllocator
 
 
 class NoReuseCache:
-    """Same methods as ``UnifiedRadixCache``; nothing is ever cached."""
+    """A ``PrefixCache`` like ``UnifiedRadixCache``; nothing is ever cached."""
+
+    reuses_prefixes: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -41,7 +41,7 @@ from hyloop.cache.component_full import FullComponent
 from hyloop.cache.component_recurrent import RecurrentComponent
 from hyloop.cache.component_swa import SWAComponent
 from hyloop.cache.key import TOKEN_BYTES, RadixKey, page_match_bytes
-from hyloop.cache.node import FULL, RECURRENT, TreeNode
+from hyloop.cache.node import FULL, RECURRENT, SWA, TreeNode
 from hyloop.cache.params import (
     DecLockRefParams,
     DecLockRefResult,
@@ -63,8 +63,11 @@ class UnifiedRadixCache:
     """Radix tree of token keys -> KV slot indices (plus SWA and recurrent data).
 
     ``components``: ``("full",)``, ``("full", "swa")`` (needs ``sliding_window``) or
-    ``("full", "recurrent")`` (needs ``recurrent_allocator``).
+    ``("full", "recurrent")`` (needs ``recurrent_allocator``). Implements ``PrefixCache`` for
+    the engine and ``ComponentHost`` for its components.
     """
+
+    reuses_prefixes: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -97,7 +100,8 @@ class UnifiedRadixCache:
         self.leaves: set[TreeNode] = set()
         self._stamp = 0
         self._receipt_ids = itertools.count(1)
-        self._receipts: dict[int, tuple[IncLockRefResult, list[Any]]] = {}
+        # receipt id -> (receipt, what each component's lock returned, by component kind)
+        self._receipts: dict[int, tuple[IncLockRefResult, dict[int, Any]]] = {}
         self._kv_to_free: list[torch.Tensor] = []
         self._slots_to_free: list[int] = []
 
@@ -198,29 +202,6 @@ class UnifiedRadixCache:
         self.full.note_leaf(node)
         return node
 
-    def _delete_leaf(self, node: TreeNode) -> None:
-        """Remove an unlocked leaf with all its component data (freed in one batch later)."""
-        for c in self.components:
-            c.on_delete(node)
-        parent = node.parent
-        assert parent is not None
-        del parent.children[node.child_key]
-        node.alive = False
-        self.leaves.discard(node)
-        if parent.parent is not None and not parent.children:
-            self.leaves.add(parent)
-            self.full.note_leaf(parent)
-
-    def _tombstone(self, node: TreeNode, comp: CacheComponent) -> bool:
-        """Drop ``comp``'s data on ``node`` and, cascading, every auxiliary component of lower
-        or equal priority; refused (False) while any of them is locked there."""
-        targets = [c for c in self.aux if c.priority <= comp.priority]
-        if any(node.component_data[c.kind].lock_ref for c in targets):
-            return False
-        for c in targets:
-            c.drop(node)  # type: ignore[attr-defined]
-        return True
-
     def _free_duplicates(
         self, value: torch.Tensor, overlap: list[torch.Tensor], prefix_len: int
     ) -> int:
@@ -253,6 +234,36 @@ class UnifiedRadixCache:
             self._slots_to_free = []
             assert self.recurrent is not None
             self.recurrent.allocator.free(slots)
+
+    # -- component surface (ComponentHost) ------------------------------------------------------
+    def delete_leaf(self, node: TreeNode) -> None:
+        """Remove an unlocked leaf with all its component data (freed in one batch later)."""
+        for c in self.components:
+            c.on_delete(node)
+        parent = node.parent
+        assert parent is not None
+        del parent.children[node.child_key]
+        node.alive = False
+        self.leaves.discard(node)
+        if parent.parent is not None and not parent.children:
+            self.leaves.add(parent)
+            self.full.note_leaf(parent)
+
+    def tombstone(self, node: TreeNode, comp: CacheComponent) -> bool:
+        """Drop ``comp``'s data on ``node`` and, cascading, every auxiliary component of lower
+        or equal priority; refused (False) while any of them is locked there."""
+        targets = [c for c in self.aux if c.priority <= comp.priority]
+        if any(node.component_data[c.kind].lock_ref for c in targets):
+            return False
+        for c in targets:
+            c.drop(node)
+        return True
+
+    def queue_kv_free(self, indices: torch.Tensor) -> None:
+        self._kv_to_free.append(indices)
+
+    def queue_slot_free(self, slot: int) -> None:
+        self._slots_to_free.append(slot)
 
     # -- match ----------------------------------------------------------------------------------
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
@@ -358,14 +369,14 @@ class UnifiedRadixCache:
         """Pin what a request at ``node`` reads; release by handing back the receipt."""
         if not isinstance(node, TreeNode) or not node.alive:
             raise ValueError(f"inc_lock_ref: {node!r} is not a live node of this tree")
-        tokens = [c.lock(node) for c in self.components]
+        tokens = {c.kind: c.lock(node) for c in self.components}
         rid = next(self._receipt_ids)
         receipt = IncLockRefResult(
             receipt_id=rid,
             node=node,
-            delta=tokens[0],
-            swa_start_depth=tokens[1] if self.swa is not None else None,
-            recurrent_locked=bool(tokens[1]) if self.recurrent is not None else False,
+            delta=tokens[FULL],
+            swa_start_depth=tokens.get(SWA),
+            recurrent_locked=bool(tokens.get(RECURRENT, False)),
         )
         self._receipts[rid] = (receipt, tokens)
         return receipt
@@ -389,8 +400,8 @@ class UnifiedRadixCache:
             )
         del self._receipts[params.receipt_id]
         before = self.full.evictable
-        for c, tok in zip(self.components, tokens, strict=True):
-            c.unlock(receipt.node, tok)
+        for c in self.components:
+            c.unlock(receipt.node, tokens[c.kind])
         return DecLockRefResult(delta=self.full.evictable - before)
 
     def num_outstanding_locks(self) -> int:
@@ -413,7 +424,7 @@ class UnifiedRadixCache:
         }
         return EvictResult(
             num_tokens_evicted=gone[FULL],
-            swa_num_tokens_evicted=gone.get(1, 0),
+            swa_num_tokens_evicted=gone.get(SWA, 0),
             recurrent_num_evicted=gone.get(RECURRENT, 0),
         )
 
