@@ -136,30 +136,44 @@ def write_kv(
 ) -> None:
     """Write new K/V ``[..., kv_heads, head_dim]`` into the pool at ``out_cache_loc`` slots.
 
-    ``out_cache_loc`` has the leading shape of ``k``/``v`` (e.g. ``[B, T]`` or ``[N]``); padding
-    tokens point to slot 0, the padding sink. Values are cast to the buffer dtype.
+    ``out_cache_loc`` (int64) has the leading shape of ``k``/``v`` (e.g. ``[B, T]`` or ``[N]``);
+    padding tokens point to slot 0, the padding sink. Values in another dtype than the buffer's
+    are cast to it; values already in the buffer dtype are written as they are (no copy).
     """
-    for name, buf in (("k_buf", k_buf), ("v_buf", v_buf)):
-        if buf.dim() != 3:
-            raise ValueError(
-                f"{name} must be [num_slots, kv_heads, head_dim], got shape {tuple(buf.shape)}"
-            )
-    for name, new, buf in (("k", k, k_buf), ("v", v, v_buf)):
-        if tuple(new.shape[-2:]) != tuple(buf.shape[1:]):
-            raise ValueError(
-                f"{name} must end in [kv_heads, head_dim] = {tuple(buf.shape[1:])}, "
-                f"got shape {tuple(new.shape)}"
-            )
-        if tuple(new.shape[:-2]) != tuple(out_cache_loc.shape):
+    # NOTE: every attention layer calls this once per step, and in an eager step these checks
+    # run each time, so they are plain comparisons; messages are built only on failure. Both
+    # inputs are checked before either buffer is written.
+    if out_cache_loc.dtype != torch.int64:
+        raise TypeError(f"out_cache_loc must be int64, got {out_cache_loc.dtype}")
+    for name, buf, new in (("k", k_buf, k), ("v", v_buf, v)):
+        if buf.dim() != 3 or new.shape[-2:] != buf.shape[1:]:
+            _raise_kv_shape(name, buf, new)
+        if new.shape[:-2] != out_cache_loc.shape:
             raise ValueError(
                 f"{name} leading shape {tuple(new.shape[:-2])} must match out_cache_loc shape "
                 f"{tuple(out_cache_loc.shape)}"
             )
-    if out_cache_loc.dtype != torch.int64:
-        raise TypeError(f"out_cache_loc must be int64, got {out_cache_loc.dtype}")
     loc = out_cache_loc.reshape(-1)
-    k_buf.index_copy_(0, loc, k.reshape(-1, *k_buf.shape[1:]).to(k_buf.dtype))
-    v_buf.index_copy_(0, loc, v.reshape(-1, *v_buf.shape[1:]).to(v_buf.dtype))
+    k_buf.index_copy_(0, loc, _as_slot_rows(k, k_buf))
+    v_buf.index_copy_(0, loc, _as_slot_rows(v, v_buf))
+
+
+def _as_slot_rows(new: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+    """``new`` as ``[N, kv_heads, head_dim]`` rows in ``buf``'s dtype; a view when it can be."""
+    if new.dtype != buf.dtype:
+        new = new.to(buf.dtype)
+    return new.reshape(-1, *buf.shape[1:])
+
+
+def _raise_kv_shape(name: str, buf: torch.Tensor, new: torch.Tensor) -> None:
+    if buf.dim() != 3:
+        raise ValueError(
+            f"{name}_buf must be [num_slots, kv_heads, head_dim], got shape {tuple(buf.shape)}"
+        )
+    raise ValueError(
+        f"{name} must end in [kv_heads, head_dim] = {tuple(buf.shape[1:])}, "
+        f"got shape {tuple(new.shape)}"
+    )
 
 
 def _require_int(t: torch.Tensor, name: str) -> None:

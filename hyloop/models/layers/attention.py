@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyloop.graphs.context import StepContext
+from hyloop.graphs.ops import write_kv
 
 
 class PagedAttention(nn.Module):
@@ -41,9 +42,7 @@ class PagedAttention(nn.Module):
         b, t = q.shape[:2]
         hkv, d = self.num_kv_heads, self.head_dim
         k_buf, v_buf = ctx.kv.k[self.layer_id], ctx.kv.v[self.layer_id]
-        loc = ctx.out_cache_loc.reshape(-1)
-        k_buf.index_copy_(0, loc, k.reshape(-1, hkv, d))
-        v_buf.index_copy_(0, loc, v.reshape(-1, hkv, d))
+        write_kv(k_buf, v_buf, ctx.out_cache_loc, k, v)
 
         slots, mask = self._step_meta(ctx, b, t, q.device)
         # index_select on the flat slot list is ~5x faster than advanced indexing on CPU.

@@ -219,6 +219,31 @@ def test_write_kv_casts_and_rejects_mismatched_shapes() -> None:
         write_kv(k_buf, v_buf, torch.tensor([1, 2]), torch.ones(2, 2, 2), k)
     with pytest.raises(ValueError, match="out_cache_loc shape"):
         write_kv(k_buf, v_buf, torch.tensor([1, 2, 3]), k, k)
+    with pytest.raises(TypeError, match="out_cache_loc must be int64"):
+        write_kv(k_buf, v_buf, torch.tensor([1, 2], dtype=torch.int32), k, k)
+    with pytest.raises(ValueError, match=r"v_buf must be \[num_slots"):
+        write_kv(k_buf, v_buf[0], torch.tensor([1, 2]), k, k)
+
+
+def test_write_kv_checks_both_inputs_before_writing_either() -> None:
+    k_buf, v_buf = torch.zeros(4, 1, 2), torch.zeros(4, 1, 2)
+    with pytest.raises(ValueError, match="v must end in"):
+        write_kv(k_buf, v_buf, torch.tensor([1, 2]), torch.ones(2, 1, 2), torch.ones(2, 1, 3))
+    assert not k_buf.any() and not v_buf.any()
+
+
+def test_write_kv_writes_same_dtype_values_without_a_cast_or_copy() -> None:
+    k_buf, v_buf = torch.zeros(6, 2, 4), torch.zeros(6, 2, 4)
+    k, v = torch.randn(2, 3, 2, 4), torch.randn(2, 3, 2, 4)
+    loc = torch.tensor([[1, 2, 3], [4, 5, 0]])
+    with torch.profiler.profile() as prof:
+        write_kv(k_buf, v_buf, loc, k, v)
+    names = [e.name for e in prof.events()]
+    # The pool write is the two index_copy_ calls alone: no cast, no copy of the new K/V.
+    assert not {"aten::_to_copy", "aten::copy_", "aten::clone"} & set(names)
+    assert names.count("aten::index_copy_") == 2
+    assert torch.equal(k_buf[1:], k.reshape(6, 2, 4)[:5])
+    assert torch.equal(v_buf[1:], v.reshape(6, 2, 4)[:5])
 
 
 def test_ops_pass_the_capture_safety_checker() -> None:
