@@ -7,7 +7,7 @@ checked by ``hyloop.graphs.safety`` in the unit tests.
 
 Radix keys:
 
-* Token models: the key of a token is its id (``token_keys``).
+* Token models: the key of a token is its id; the sampled int64 ids serve as keys unchanged.
 * Multi-channel rows ``[B, C]`` (channel 0 = text id, channels 1.. = codes) generated on device:
   a Horner polynomial over all C channels modulo the Mersenne prime ``2**31 - 1``, folded into
   ``[0, hash_space)``; rows whose text channel is the end id keep the end id, so stop checks
@@ -32,7 +32,6 @@ __all__ = [
     "row_radix_keys",
     "row_radix_keys_raw",
     "scatter_track_slots",
-    "token_keys",
     "write_kv",
 ]
 
@@ -45,12 +44,6 @@ ROW_HASH_SPACE = 151643  # text vocabulary size of the Qwen-family TTS backbones
 # overflow, so CPU and GPU give bit-identical keys).
 _BASE_REDUCED = HORNER_BASE % HORNER_MOD
 _PROMPT_KEY_MASK = (1 << 63) - 1
-
-
-def token_keys(token_ids: torch.Tensor) -> torch.Tensor:
-    """Radix keys of single-channel tokens: the token ids themselves, as int64."""
-    _require_int(token_ids, "token_ids")
-    return token_ids.to(torch.int64)
 
 
 def row_radix_keys_raw(rows: torch.Tensor) -> torch.Tensor:

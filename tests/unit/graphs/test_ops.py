@@ -16,7 +16,6 @@ from hyloop.graphs.ops import (
     row_radix_keys,
     row_radix_keys_raw,
     scatter_track_slots,
-    token_keys,
     write_kv,
 )
 from hyloop.graphs.safety import check_capture_safe
@@ -162,12 +161,6 @@ def test_prompt_row_keys_are_63_bit_blake2b_of_int64_bytes() -> None:
     assert prompt_row_keys(torch.tensor(small, dtype=torch.int32)) == [expected[0], expected[2]]
     assert prompt_row_keys(np.array(small, dtype=np.uint32)) == [expected[0], expected[2]]
     assert all(0 <= k < 2**63 for k in expected)
-
-
-def test_token_keys_are_the_token_ids() -> None:
-    ids = torch.tensor([0, 5, 151645], dtype=torch.int32)
-    keys = token_keys(ids)
-    assert keys.dtype == torch.int64 and keys.tolist() == [0, 5, 151645]
 
 
 def ref_scatter(buf: torch.Tensor, src: list[int], track: list[int]) -> torch.Tensor:
