@@ -211,6 +211,3 @@ def _format(e: ValidationError) -> str:
 
 def dump_config(cfg: EngineConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.create(cfg.model_dump()))
-
-
-_load_yaml = load_yaml  # older name
