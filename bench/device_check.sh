@@ -89,7 +89,7 @@ EOF
     shift
     # shellcheck disable=SC2086
     # Options first: argparse takes the key=value overrides as one run of positionals.
-    "$PY" -m hyloop.cli regress --config configs/recipes/graph_vs_eager.yaml \
+    "$PY" -m hyloop.cli regress --config hyloop/configs/recipes/graph_vs_eager.yaml \
       --json "$LOGS/regress_$name.json" "$@" graphs.backend="$BACKEND" device="$DEVICE" \
       $REGRESS_ARGS >"$LOGS/regress_$name.log" 2>&1
     local rc=$?

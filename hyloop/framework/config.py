@@ -19,6 +19,11 @@ if TYPE_CHECKING:
     import torch
 
 
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+"""The presets shipped inside the package: ``engine.yaml`` (every key with its default),
+``models/`` and ``recipes/``. Package data, so an installed hyloop finds them too."""
+
+
 class ConfigError(ValueError):
     """A config key or value is wrong; the message names the dotted key."""
 

@@ -1,6 +1,7 @@
 """Graph-vs-eager regression: does the captured decode step compute exactly what eager computes?
 
-``hyloop regress --config configs/recipes/graph_vs_eager.yaml [key=value ...]`` builds two engines
+``hyloop regress [--config FILE ...] [key=value ...]`` (the recipe preset
+``hyloop/configs/recipes/graph_vs_eager.yaml`` when no ``--config`` is given) builds two engines
 from one config: the captured one as configured (``graphs.backend``, ``auto`` in the recipe
 preset) and the oracle with ``graphs.backend=eager``. Both run the same waves of requests: for
 every batch size N (by default one below, on and one above every bucket edge) and every sampling
@@ -27,7 +28,13 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from tqdm.auto import tqdm
 
-from hyloop.framework.config import ConfigError, EngineConfig, merge_config, validate_config
+from hyloop.framework.config import (
+    CONFIG_DIR,
+    ConfigError,
+    EngineConfig,
+    merge_config,
+    validate_config,
+)
 from hyloop.framework.llm import LLM
 from hyloop.framework.model_runner import resolve_backend
 from hyloop.framework.sampling_params import SamplingParams
@@ -341,7 +348,7 @@ def render_report(report: dict[str, Any]) -> str:
 
 def run_regress(args: argparse.Namespace, perturb: Perturb | None = None) -> int:
     """The ``hyloop regress`` command: 0 pass, 1 mismatch or silent fallback."""
-    files = list(args.config) or [Path(__file__).parents[2] / "configs/recipes/graph_vs_eager.yaml"]
+    files = list(args.config) or [CONFIG_DIR / "recipes/graph_vs_eager.yaml"]
     cfg, settings = load_recipe(files, args.overrides)
     model = args.model or settings.checkpoint or cfg.model.path
     if model is None:

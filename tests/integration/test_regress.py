@@ -18,10 +18,10 @@ import torch
 
 from hyloop import LLM
 from hyloop.cli import main
+from hyloop.framework.config import CONFIG_DIR
 from hyloop.recipes.graph_vs_eager import compare, load_recipe, run_regress
 
-REPO = Path(__file__).resolve().parents[2]
-RECIPE = str(REPO / "configs/recipes/graph_vs_eager.yaml")
+RECIPE = str(CONFIG_DIR / "recipes/graph_vs_eager.yaml")
 SMALL = [
     "regress.max_tokens=4",
     "regress.prompt_len=[3,20]",
