@@ -13,7 +13,9 @@ def main(argv: list[str] | None = None) -> int:
     gen = sub.add_parser("generate", help="offline generation (JSONL in, JSONL out)")
     gen.add_argument("--config", action="append", default=[], help="YAML config (repeatable)")
     gen.add_argument("--model", help="HF checkpoint dir or .gguf (default: SmolLM2-135M)")
-    gen.add_argument("--input", help="prompts JSONL: {prompt | prompt_token_ids, sampling...}")
+    gen.add_argument(
+        "--input", help="prompts JSONL: {prompt | prompt_token_ids | messages, sampling...}"
+    )
     gen.add_argument("--output", help="output JSONL (default: print texts)")
     gen.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     gen.add_argument("overrides", nargs="*", help="config overrides, key=value")

@@ -7,10 +7,13 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hyloop.framework.llm import LLM
 from hyloop.framework.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from hyloop.models.tokenizer import TextTokenizer
 
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
@@ -19,6 +22,7 @@ DEFAULT_PROMPTS = [
     "List three prime numbers.",
 ]
 SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__)
+PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")  # a row gives exactly one
 
 
 def default_checkpoint() -> Path:
@@ -46,15 +50,62 @@ def read_jsonl(path: str) -> list[tuple[int, dict[str, Any]]]:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n}: invalid JSON ({e})") from e
-            if not isinstance(row, dict) or ("prompt" in row) == ("prompt_token_ids" in row):
+            given = [f for f in PROMPT_FIELDS if f in row] if isinstance(row, dict) else []
+            if "messages" in given and len(given) > 1:
                 raise ValueError(
-                    f"{path}:{n}: expected an object with `prompt` or `prompt_token_ids`"
+                    f"{path}:{n}: `messages` and `{given[0]}` both given; a row is either a chat "
+                    "(`messages`) or a prompt (`prompt` or `prompt_token_ids`)"
                 )
-            unknown = set(row) - SAMPLING_FIELDS - {"prompt", "prompt_token_ids", "id", "messages"}
+            if len(given) != 1:
+                raise ValueError(
+                    f"{path}:{n}: expected an object with one of `prompt`, `prompt_token_ids` "
+                    "or `messages`"
+                )
+            unknown = set(row) - SAMPLING_FIELDS - {*PROMPT_FIELDS, "id"}
             if unknown:
                 raise ValueError(f"{path}:{n}: unknown fields {sorted(unknown)}")
+            if "messages" in row:
+                check_messages(f"{path}:{n}", row["messages"])
             rows.append((n, row))
     return rows
+
+
+def check_messages(where: str, messages: Any) -> None:
+    """A chat is a non-empty list of ``{"role": str, "content": str}`` objects."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(
+            f"{where}: messages: got {messages!r}; expected a non-empty list of "
+            '{"role": ..., "content": ...} objects'
+        )
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not all(
+            isinstance(message.get(k), str) for k in ("role", "content")
+        ):
+            raise ValueError(
+                f"{where}: messages[{i}]: got {message!r}; expected an object with string "
+                "`role` and `content`"
+            )
+
+
+def chat_prompt(where: str, messages: list[dict[str, str]], tok: TextTokenizer | None) -> str:
+    """The chat rendered with the model's chat template: the text prompt ``LLM.chat`` sends."""
+    if tok is None:
+        raise ValueError(
+            f"{where}: messages: this model has no tokenizer, so a chat cannot be rendered; "
+            "give `prompt_token_ids` instead"
+        )
+    if not tok.chat_template:
+        raise ValueError(
+            f"{where}: messages: this model has no chat template (GGUF "
+            "`tokenizer.chat_template`, or tokenizer_config.json / chat_template.jinja of an HF "
+            "directory); give `prompt` or `prompt_token_ids` instead"
+        )
+    import jinja2  # the template engine apply_chat_template renders with
+
+    try:
+        return tok.apply_chat_template(messages)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"{where}: messages: the chat template rejected them: {e}") from e
 
 
 def row_params(where: str, row: dict[str, Any], defaults: SamplingParams) -> SamplingParams:
@@ -76,7 +127,9 @@ def run_generate(args: argparse.Namespace) -> int:
             for n, r in numbered:
                 where = f"{args.input}:{n}"
                 # Check the field the row used: a string in prompt_token_ids is no text prompt.
-                if "prompt" in r:
+                if "messages" in r:
+                    prompt = chat_prompt(where, r["messages"], llm.tokenizer)
+                elif "prompt" in r:
                     prompt = r["prompt"]
                     if not isinstance(prompt, str | list):
                         raise ValueError(f"{where}: prompt: got {prompt!r}; expected a string")
@@ -110,7 +163,7 @@ def run_generate(args: argparse.Namespace) -> int:
                     fh.write(json.dumps(rec) + "\n")
         else:
             for row, out in zip(rows, outs, strict=True):
-                shown = row.get("prompt", row.get("prompt_token_ids"))
+                shown = next(row[f] for f in PROMPT_FIELDS if f in row)
                 print(f"\n>>> {shown}\n{out.text if out.text is not None else out.token_ids}")
         print("\n" + llm.summary(), file=sys.stderr if args.output else sys.stdout)
     return 0

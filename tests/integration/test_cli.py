@@ -72,6 +72,13 @@ PARSE_ERRORS = [
     ('{"prompt_token_ids": [1, 2], "prompt": "x"}', "prompt"),
     ('{"prompt_token_ids": [1, 2], "temprature": 0.5}', "temprature"),
     ("[1, 2, 3]", "prompt"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "prompt": "x"}', "messages"),
+    ('{"messages": [{"role": "user", "content": "hi"}], "prompt_token_ids": [1]}', "messages"),
+    ('{"messages": []}', "non-empty list"),
+    ('{"messages": "hi"}', "non-empty list"),
+    ('{"messages": [{"role": "user", "content": "hi"}, "hi"]}', "messages[1]"),
+    ('{"messages": [{"role": "user"}]}', "string `role` and `content`"),
+    ('{"messages": [{"role": "user", "content": 5}]}', "messages[0]"),
 ]
 VALUE_ERRORS = [
     ('{"prompt_token_ids": [1, 2], "max_tokens": 0}', "max_tokens"),
