@@ -1,4 +1,4 @@
-"""Assembly: config + checkpoint -> model, pools, cache, runner. Derived sizes live here only."""
+"""Assembly: config + checkpoint -> model, pools, cache, runner. Derived values live here only."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from hyloop.cache import NoReuseCache, PrefixCache, UnifiedRadixCache
 from hyloop.framework.config import EngineConfig
 from hyloop.framework.model_runner import ModelRunner
 from hyloop.models.layers.packed_linear import pack_linears, packing_available
 from hyloop.models.loader import LoadedModel, load_model
 from hyloop.models.tokenizer import TextTokenizer
-from hyloop.pools import KVPool, RecurrentPool, ReqToTokenPool
+from hyloop.pools import KVPool, RecurrentPool, ReqToTokenPool, StepFence
 
 log = logging.getLogger(__name__)
 
@@ -28,14 +29,18 @@ class EngineParts:
     model: nn.Module
     kv_pool: KVPool
     req_to_token: ReqToTokenPool
-    cache: Any
+    cache: PrefixCache
     runner: ModelRunner
+    fence: StepFence  # the deferred-free rule every pool follows
     recurrent_pool: RecurrentPool | None
     track_interval: int | None
     tokenizer: TextTokenizer | None
     eos_token_ids: list[int]
     vocab_size: int
     max_context: int
+    max_running: int
+    row_channels: int  # channels of a multi-channel row model; 0: a token model
+    channel_vocab_sizes: list[int]  # per channel (row models only)
     weight_bytes: int
     derived: dict[str, Any]
 
@@ -71,16 +76,24 @@ def build_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
     if num_pages is None:
         budget = int(cfg.kv_pool.memory_budget_mb * 2**20)
         num_pages = max(2, budget // (per_token * page_size))
+    fence = StepFence()
     kv = KVPool(
-        model.num_kv_layers, num_pages, page_size, model.kv_heads, model.head_dim, dtype, device
+        model.num_kv_layers,
+        num_pages,
+        page_size,
+        model.kv_heads,
+        model.head_dim,
+        dtype,
+        device,
+        fence,
     )
     max_running = cfg.scheduler.max_running_requests
-    req_to_token = ReqToTokenPool(max_running, max_context, device)
+    req_to_token = ReqToTokenPool(max_running, max_context, device, fence)
     vocab_size = int(getattr(model, "max_vocab", spec.vocab_size))
     recurrent, track_interval = None, None
     if getattr(model, "num_recurrent_layers", 0):
         slots = cfg.recurrent_pool.num_slots or max(4 * max_running, 16)
-        recurrent = model.new_recurrent_pool(slots, device)
+        recurrent = model.new_recurrent_pool(slots, device, fence=fence)
         track_interval = cfg.recurrent_pool.track_interval or cfg.scheduler.prefill_chunk
         if track_interval % page_size:
             raise ValueError(
@@ -89,7 +102,10 @@ def build_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
                 f"{page_size}; set recurrent_pool.track_interval"
             )
     cache = build_cache(cfg, kv, recurrent)
-    runner = ModelRunner(model, kv, req_to_token, vocab_size, device, recurrent, graphs=cfg.graphs)
+    row_channels = int(model.num_channels) if getattr(model, "is_row_model", False) else 0
+    runner = ModelRunner(
+        model, kv, req_to_token, vocab_size, device, recurrent, cfg.graphs, row_channels
+    )
     derived = {
         "max_context": max_context,
         "kv_pages": num_pages,
@@ -97,6 +113,8 @@ def build_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         "kv_bytes": kv.nbytes(),
         "cache": type(cache).__name__,
         "backend": runner.backend,
+        "max_running": max_running,
+        "row_channels": row_channels,
         "packed_linears": packed,
         "recurrent_slots": recurrent.num_slots if recurrent is not None else 0,
         "recurrent_bytes": recurrent.nbytes() if recurrent is not None else 0,
@@ -111,21 +129,25 @@ def build_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         req_to_token=req_to_token,
         cache=cache,
         runner=runner,
+        fence=fence,
         recurrent_pool=recurrent,
         track_interval=track_interval,
         tokenizer=loaded.tokenizer,
         eos_token_ids=loaded.eos_token_ids,
         vocab_size=vocab_size,
         max_context=max_context,
+        max_running=max_running,
+        row_channels=row_channels,
+        channel_vocab_sizes=list(model.channel_vocab_sizes) if row_channels else [],
         weight_bytes=loaded.weight_bytes,
         derived=derived,
     )
 
 
-def build_cache(cfg: EngineConfig, kv: KVPool, recurrent: RecurrentPool | None = None) -> Any:
+def build_cache(
+    cfg: EngineConfig, kv: KVPool, recurrent: RecurrentPool | None = None
+) -> PrefixCache:
     """The UHRC with the components the model's layer types need (or a no-reuse stand-in)."""
-    from hyloop.cache import NoReuseCache, UnifiedRadixCache
-
     cls = UnifiedRadixCache if cfg.cache.enable else NoReuseCache
     if recurrent is not None:
         return cls(

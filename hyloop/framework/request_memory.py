@@ -16,15 +16,20 @@ Lifecycle of a request:
 
 from __future__ import annotations
 
-import contextlib
 import os
-from typing import Any
 
 import torch
 
-from hyloop.cache import EvictParams, InsertParams, MatchPrefixParams, NoReuseCache, RadixKey
+from hyloop.cache import (
+    EvictParams,
+    InsertParams,
+    InsertResult,
+    MatchPrefixParams,
+    PrefixCache,
+    RadixKey,
+)
 from hyloop.framework.request import Request
-from hyloop.pools import RecurrentPool, ReqToTokenPool, SlotRole
+from hyloop.pools import PageAllocator, RecurrentPool, ReqToTokenPool, SlotRole
 
 # A request is held back one step when an admitted, still-prefilling request shares at least this
 # many more prompt tokens with it than the cache can serve: it will hit them after the insert.
@@ -34,8 +39,8 @@ DEFER_MIN_SHARED = 16
 class RequestMemory:
     def __init__(
         self,
-        cache: Any,
-        kv_allocator: Any,
+        cache: PrefixCache,
+        kv_allocator: PageAllocator,
         req_to_token: ReqToTokenPool,
         recurrent: RecurrentPool | None,
         max_context: int,
@@ -50,7 +55,7 @@ class RequestMemory:
         self.track_interval = track_interval
         # Without reuse nothing is committed while a request runs (the stand-in cache would
         # free the pages it is handed); finished requests still go through insert.
-        self.reuse = not isinstance(cache, NoReuseCache)
+        self.reuse = cache.reuses_prefixes
         self.commit_during_prefill = self.reuse and recurrent is None
 
     # -- admission ------------------------------------------------------------------------------
@@ -155,67 +160,45 @@ class RequestMemory:
         req.lock = new_lock
         req.own_from = max(req.own_from, r.aligned_len)
 
-    def release(
-        self,
-        req: Request,
-        commit: bool,
-        defer_gen: int | None = None,
-        state_current: bool = True,
-    ) -> None:
+    def release(self, req: Request, commit: bool, state_current: bool = True) -> None:
         """Commit (optionally) and free what the request holds.
 
-        ``defer_gen``: a launched step (that generation) may still read the request's pages,
-        row and state slot: park them as pending-free until it completes. ``state_current``:
-        the working state covers exactly the committed tokens; under lookahead it has been
-        advanced by a step already in flight, so it is never committed as a snapshot.
+        Frees follow the pools' ``StepFence``: what a launched step may still read waits for it.
+        ``state_current``: the working state covers exactly the committed tokens; a step in
+        flight may have advanced it, and then it is never committed as a snapshot.
         """
         assert req.slots is not None
         keep = req.own_from  # slots[:keep] belong to the tree
         state = req.state_slot if self.recurrent is not None else 0
-        deferring = (
-            self.kv.deferring(defer_gen) if defer_gen is not None else contextlib.nullcontext()
-        )
-        with deferring:
-            if commit and req.num_computed > 0:
-                n = req.num_computed
-                aligned = n % self.page_size == 0
-                snapshot = state if state and aligned and state_current and self.reuse else None
-                r = self.cache.insert(
-                    InsertParams(
-                        key=RadixKey(req.all_ids[:n]), value=req.slots[:n], recurrent_slot=snapshot
-                    )
+        if commit and req.num_computed > 0:
+            n = req.num_computed
+            aligned = n % self.page_size == 0
+            snapshot = state if state and aligned and state_current and self.reuse else None
+            r = self.cache.insert(
+                InsertParams(
+                    key=RadixKey(req.all_ids[:n]), value=req.slots[:n], recurrent_slot=snapshot
                 )
-                if snapshot is not None and r.recurrent_taken:
-                    state = 0  # handed to the tree (stored, or freed as a duplicate)
-                if snapshot is not None:
-                    self._settle_state_slot(snapshot, r, release_if_kept=False)
-                keep = max(keep, r.aligned_len)
-            self.cache.dec_lock_ref(req.lock.to_dec_params())
-            req.lock = None
-            own = req.slots[keep:]
-            if own.numel():
-                self.kv.free(own)
+            )
+            if snapshot is not None and r.recurrent_taken:
+                state = 0  # handed to the tree (stored, or freed as a duplicate)
+            if snapshot is not None:
+                self._settle_state_slot(snapshot, r, release_if_kept=False)
+            keep = max(keep, r.aligned_len)
+        self.cache.dec_lock_ref(req.lock.to_dec_params())
+        req.lock = None
+        own = req.slots[keep:]
+        if own.numel():
+            self.kv.free(own)
         if state and self.recurrent is not None:
-            if defer_gen is None:
-                self.recurrent.release([state])
-            else:
-                self.recurrent.free_deferred([state], defer_gen)
+            self.recurrent.release([state])
         req.state_slot = 0
-        if defer_gen is None:
-            self.req_to_token.free(req.req_row)
-        else:
-            self.req_to_token.free_deferred(req.req_row, defer_gen)
+        self.req_to_token.free(req.req_row)
         req.req_row = -1
         req.slots = None
 
-    def flush_pending(self, through: int | None) -> None:
-        """Step ``through`` has completed: what waited on it becomes reusable."""
-        self.kv.flush_pending(through)
-        self.req_to_token.flush_pending(through)
-        if self.recurrent is not None:
-            self.recurrent.flush_pending(through)
-
-    def _settle_state_slot(self, slot: int | None, r: Any, release_if_kept: bool = True) -> None:
+    def _settle_state_slot(
+        self, slot: int | None, r: InsertResult, release_if_kept: bool = True
+    ) -> None:
         if slot is None or self.recurrent is None:
             return
         if r.recurrent_taken and r.recurrent_stored:

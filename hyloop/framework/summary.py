@@ -14,7 +14,7 @@ def render_summary(llm: Any) -> str:
         "── hyloop run summary " + "─" * 40,
         f"model          {cfg.model.path}",
         f"device/dtype   {cfg.device} / {cfg.dtype}    weights {s['weight_bytes'] / 2**20:.1f} MiB",
-        f"backend        {cfg.graphs.backend}    buckets {cfg.graphs.buckets}",
+        f"backend        {s['backend']}    buckets {cfg.graphs.buckets}",
         f"graph replays  {s['graph_replays']}    eager fallbacks {s['eager_fallbacks']}    "
         f"recompiles {s['recompiles']}    first-use capture {s['capture_time']:.1f} s "
         "(kept out of the step times)",
@@ -22,8 +22,7 @@ def render_summary(llm: Any) -> str:
         f"free {s['kv_free_tokens']}/{s['kv_capacity_tokens']} tokens",
         f"cache          {'on' if cfg.cache.enable else 'off'} ({d['cache']})    "
         f"cached tokens {s['cached_tokens']}    evictable {s['cache_evictable_tokens']}",
-        f"lookahead      {'on' if llm.engine.lookahead is not None else 'off'} "
-        f"(min_batch {cfg.lookahead.min_batch})",
+        f"lookahead      {'on' if s['lookahead'] else 'off'} (min_batch {cfg.lookahead.min_batch})",
         f"scheduler      max_running {cfg.scheduler.max_running_requests}    "
         f"prefill_chunk {cfg.scheduler.prefill_chunk}    "
         f"budget {cfg.scheduler.prefill_token_budget}",

@@ -193,8 +193,9 @@ class BucketRunner:
         ``on_staged`` is called once, as soon as other host work may run beside the step: on
         CPU once the inputs sit in the static buffers, just before the (synchronous) replay; on
         CUDA after every launch, outside the sync-debug guard (the guard's mode is process-wide,
-        and a lazy capture must not see another thread's allocations). ``drop`` names dict
-        outputs not to copy out (a replay still computes them into its static buffers).
+        and a lazy capture must not see another thread's allocations). ``drop`` names dict keys
+        or dataclass fields not to copy out (a replay still computes them into its static
+        buffers; a dropped dataclass field reads None).
         """
         inputs.validate()
         staged = on_staged or _nothing
@@ -257,8 +258,8 @@ class BucketRunner:
             artifact.static.copy_from(inputs)
             on_staged()
             raw = artifact.replay()
-            if drop and isinstance(raw, dict):
-                raw = {k: v for k, v in raw.items() if k not in drop}
+            if drop:
+                raw = _drop(raw, drop)
             out = _map_tensors(raw, lambda path, t: _owned_rows(self.name, path, t, bucket, n))
         self._counts["graph_replays"] += 1
         return out
@@ -310,6 +311,15 @@ def _map_tensors(out: Any, fn: Callable[[str, torch.Tensor], torch.Tensor], path
         return dataclasses.replace(
             out, **{f: _map_tensors(getattr(out, f), fn, f"{path}.{f}") for f in fields}
         )
+    return out
+
+
+def _drop(out: Any, names: Collection[str]) -> Any:
+    """``out`` without the named dict entries or dataclass fields (those read None)."""
+    if isinstance(out, dict):
+        return {k: v for k, v in out.items() if k not in names}
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        return dataclasses.replace(out, **{n: None for n in names if hasattr(out, n)})
     return out
 
 

@@ -5,12 +5,15 @@ from hyloop.pools.page_allocator import PageAllocator
 from hyloop.pools.recurrent_pool import RecurrentPool, SlotRole
 from hyloop.pools.req_to_token import ReqToTokenPool
 from hyloop.pools.slot_allocator import SlotAllocator
+from hyloop.pools.step_fence import DeferredFrees, StepFence
 
 __all__ = [
+    "DeferredFrees",
     "KVPool",
     "PageAllocator",
     "RecurrentPool",
     "ReqToTokenPool",
     "SlotAllocator",
     "SlotRole",
+    "StepFence",
 ]

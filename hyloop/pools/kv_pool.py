@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from hyloop.pools.page_allocator import PageAllocator
+from hyloop.pools.step_fence import StepFence
 
 
 class KVPool:
@@ -23,8 +24,9 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        fence: StepFence | None = None,
     ) -> None:
-        self.allocator = PageAllocator(num_pages, page_size, device)
+        self.allocator = PageAllocator(num_pages, page_size, device, fence)
         self.page_size = page_size
         self.num_slots = num_pages * page_size
         shape = (self.num_slots, kv_heads, head_dim)

@@ -6,11 +6,10 @@ reserved as the padding sink: padded rows of a captured step write there and not
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import numpy as np
 import torch
+
+from hyloop.pools.step_fence import DeferredFrees, StepFence
 
 
 class PageAllocator:
@@ -21,7 +20,13 @@ class PageAllocator:
     belong to; a page may be freed only by the one owner that holds it.
     """
 
-    def __init__(self, num_pages: int, page_size: int, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        device: torch.device | str = "cpu",
+        fence: StepFence | None = None,
+    ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if num_pages < 2:
@@ -43,11 +48,13 @@ class PageAllocator:
         self._mark = np.zeros(num_pages, dtype=np.int64)
         self._order = np.arange(num_pages, dtype=np.int64)
         self._page_offsets = torch.arange(page_size, dtype=torch.int64)
-        # Deferred frees: pages freed while a launched step may still read them wait here,
-        # tagged with a generation, until ``flush_pending`` says that step has completed.
-        self._defer_gen: int | None = None
-        self._pending: list[tuple[int, np.ndarray]] = []
+        # Deferred frees (``StepFence``): pages freed while a launched step may still read them
+        # wait here under its generation until the fence retires it.
+        self.fence = fence
+        self._pending: DeferredFrees[np.ndarray] = DeferredFrees()
         self._is_pending = np.zeros(num_pages, dtype=np.bool_)
+        if fence is not None:
+            fence.attach(self.flush_pending)
 
     # -- capacity -------------------------------------------------------------------------------
     @property
@@ -114,9 +121,10 @@ class PageAllocator:
                 pages = np.unique(pages)  # one page's slots given out of order: not an error
             else:
                 self._raise_bad_free(pages)
-        if self._defer_gen is not None:
+        gen = self.fence.defer_gen if self.fence is not None else None
+        if gen is not None:
             self._is_pending[pages] = True
-            self._pending.append((self._defer_gen, pages.copy()))
+            self._pending.park(gen, pages.copy())
             return
         self._push(pages)
 
@@ -127,27 +135,16 @@ class PageAllocator:
         self._top = top + len(pages)
 
     # -- deferred frees -------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def deferring(self, generation: int) -> Iterator[None]:
-        """Inside, ``free`` parks pages as pending-free under ``generation`` (not reusable)."""
-        previous, self._defer_gen = self._defer_gen, generation
-        try:
-            yield
-        finally:
-            self._defer_gen = previous
-
     def flush_pending(self, through: int | None = None) -> int:
-        """Release pending pages of generations ``<= through`` (all when None); returns pages."""
-        keep: list[tuple[int, np.ndarray]] = []
+        """Release pending pages of generations ``<= through`` (all when None); returns pages.
+
+        The fence calls this as steps retire; calling it earlier breaks the rule (a test does,
+        to show ``check_invariants`` catches it)."""
         released = 0
-        for gen, pages in self._pending:
-            if through is None or gen <= through:
-                self._is_pending[pages] = False
-                self._push(pages)
-                released += len(pages)
-            else:
-                keep.append((gen, pages))
-        self._pending = keep
+        for pages in self._pending.take_through(through):
+            self._is_pending[pages] = False
+            self._push(pages)
+            released += len(pages)
         return released
 
     def pending_size(self) -> int:
@@ -176,15 +173,17 @@ class PageAllocator:
             raise AssertionError("page allocator: free bitmap and free list disagree")
         if (self._is_free & self._is_pending).any():
             raise AssertionError("page allocator: a page is both free and pending-free")
-        if sum(len(p) for _, p in self._pending) != int(self._is_pending.sum()):
+        if sum(len(p) for p in self._pending.items()) != int(self._is_pending.sum()):
             raise AssertionError("page allocator: pending list and pending bitmap disagree")
 
     def _raise_bad_free(self, pages: np.ndarray) -> None:
         if (pages == 0).any():
             raise ValueError(f"free of slot in page 0: outside 1..{self.num_pages - 1}")
-        already = self._is_free[pages]
+        already = self._is_free[pages] | self._is_pending[pages]
         if already.any():
-            raise ValueError(f"double free of page {int(pages[already.argmax()])}")
+            page = int(pages[already.argmax()])
+            state = "pending free" if self._is_pending[page] else "free"
+            raise ValueError(f"double free of page {page} (already {state})")
         values, counts = np.unique(pages, return_counts=True)
         raise ValueError(f"double free of page {int(values[counts > 1][0])} (repeated in one call)")
 

@@ -9,7 +9,8 @@ it, so index tensors keep a fixed size. Every other slot has exactly one role at
 - COW: a fresh slot being filled from a tree snapshot, owned by the request about to use it;
 - TREE: a snapshot owned by a radix-tree node;
 - TRACK: a snapshot being published at a track boundary (later handed to the tree);
-- PENDING_FREE: released while a launched step may still read it; free after ``flush_pending``.
+- PENDING_FREE: released while a launched step may still read it; free once that step retires
+  (``StepFence``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from hyloop.pools.slot_allocator import SlotAllocator
+from hyloop.pools.step_fence import DeferredFrees, StepFence
 
 
 class SlotRole(enum.IntEnum):
@@ -55,6 +57,7 @@ class RecurrentPool:
         conv_dtype: torch.dtype = torch.float32,
         temporal_dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        fence: StepFence | None = None,
     ) -> None:
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
@@ -73,8 +76,11 @@ class RecurrentPool:
             for _ in range(num_layers)
         ]
         self._role = bytearray(rows)  # SlotRole per slot; slot 0 stays FREE and is never counted
-        self._pending: list[tuple[int, int]] = []  # (generation, slot)
+        self.fence = fence
+        self._pending: DeferredFrees[int] = DeferredFrees()
         self.allocator.free_listeners.append(self._on_allocator_free)
+        if fence is not None:
+            fence.attach(self.flush_pending)
 
     # -- sizes ----------------------------------------------------------------------------------
     @property
@@ -138,29 +144,26 @@ class RecurrentPool:
         return SlotRole(self._role[slot])
 
     def release(self, slots: torch.Tensor | Sequence[int]) -> None:
-        """Free held slots now (no launched step may still read them)."""
+        """Free held slots: now, or as PENDING_FREE until the steps that may read them retire."""
         items = _as_list(slots)
         self._check_unique(items, "release")
         for s in items:
             self._check_held(s, "release")
+        gen = self.fence.defer_gen if self.fence is not None else None
+        if gen is not None:
+            for s in items:
+                self._role[s] = SlotRole.PENDING_FREE
+                self._pending.park(gen, s)
+            return
         self.allocator.free(items)
         for s in items:
             self._role[s] = SlotRole.FREE
 
-    def free_deferred(self, slots: torch.Tensor | Sequence[int], generation: int = 0) -> None:
-        """Release held slots once step ``generation`` (which may read them) has completed."""
-        items = _as_list(slots)
-        self._check_unique(items, "free_deferred")
-        for s in items:
-            self._check_held(s, "free_deferred")
-        for s in items:
-            self._role[s] = SlotRole.PENDING_FREE
-        self._pending.extend((generation, s) for s in items)
-
     def flush_pending(self, through: int | None = None) -> int:
         """Free pending slots of generations ``<= through`` (every one when None)."""
-        done = [s for g, s in self._pending if through is None or g <= through]
-        self._pending = [(g, s) for g, s in self._pending if not (through is None or g <= through)]
+        done = self._pending.take_through(through)
+        if not done:
+            return 0
         self.allocator.free(done)
         for s in done:
             self._role[s] = SlotRole.FREE

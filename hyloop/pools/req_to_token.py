@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from hyloop.pools.step_fence import DeferredFrees, StepFence
+
 
 class ReqToTokenPool:
     """``[max_requests + 1, max_context]`` int32 slot indices; the last row is the padding row.
@@ -12,7 +14,13 @@ class ReqToTokenPool:
     The padding row stays all zeros (slot 0, the padding sink).
     """
 
-    def __init__(self, max_requests: int, max_context: int, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        max_requests: int,
+        max_context: int,
+        device: torch.device | str,
+        fence: StepFence | None = None,
+    ) -> None:
         if max_requests < 1 or max_context < 1:
             raise ValueError("max_requests and max_context must be >= 1")
         self.max_requests = max_requests
@@ -20,7 +28,11 @@ class ReqToTokenPool:
         self.table = torch.zeros(max_requests + 1, max_context, dtype=torch.int32, device=device)
         self.padding_row = max_requests
         self._free_rows: list[int] = list(range(max_requests - 1, -1, -1))
-        self._pending: list[tuple[int, int]] = []  # (generation, row) freed while a step reads it
+        # Rows freed while a launched step may read them wait for it (``StepFence``).
+        self.fence = fence
+        self._pending: DeferredFrees[int] = DeferredFrees()
+        if fence is not None:
+            fence.attach(self.flush_pending)
 
     def available(self) -> int:
         return len(self._free_rows)
@@ -29,21 +41,24 @@ class ReqToTokenPool:
         return self._free_rows.pop() if self._free_rows else None
 
     def free(self, row: int) -> None:
-        if row in self._free_rows or not 0 <= row < self.max_requests:
+        """Free ``row`` now, or once the steps that may read it retire (``StepFence``)."""
+        bad = not 0 <= row < self.max_requests or row in self._free_rows
+        if bad or row in self._pending.items():
             raise ValueError(f"req_to_token: bad free of row {row}")
-        self._free_rows.append(row)
-
-    def free_deferred(self, row: int, generation: int) -> None:
-        if not 0 <= row < self.max_requests or row in self._free_rows:
-            raise ValueError(f"req_to_token: bad free of row {row}")
-        self._pending.append((generation, row))
+        gen = self.fence.defer_gen if self.fence is not None else None
+        if gen is not None:
+            self._pending.park(gen, row)
+        else:
+            self._free_rows.append(row)
 
     def flush_pending(self, through: int | None = None) -> int:
-        done = [r for g, r in self._pending if through is None or g <= through]
-        self._pending = [(g, r) for g, r in self._pending if not (through is None or g <= through)]
-        for row in done:
-            self.free(row)
+        """Free pending rows of generations ``<= through`` (all when None)."""
+        done = self._pending.take_through(through)
+        self._free_rows.extend(done)
         return len(done)
+
+    def pending_size(self) -> int:
+        return len(self._pending)
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         self.table[row, start : start + slots.numel()] = slots.to(self.table.dtype)

@@ -36,7 +36,7 @@ from hyloop.framework.config import (
     validate_config,
 )
 from hyloop.framework.llm import LLM
-from hyloop.framework.model_runner import resolve_backend
+from hyloop.framework.model_runner import resolve_backend, usable_buckets
 from hyloop.framework.sampling_params import SamplingParams
 from hyloop.graphs.buckets import pick_bucket
 
@@ -179,8 +179,8 @@ def _run_all(
     for m, (mode, temp, seed) in enumerate(modes):
         for n in sizes:
             wave_seed = settings.prompt_seed * 1_000_003 + n * 101 + m
-            if llm.engine.num_channels:  # multi-channel rows; tokens compared are row keys
-                vocab = list(llm.parts.model.channel_vocab_sizes)
+            if llm.parts.row_channels:  # multi-channel rows; tokens compared are row keys
+                vocab = llm.parts.channel_vocab_sizes
                 prompts: list[Any] = make_row_prompts(wave_seed, n, settings.prompt_len, vocab)
             else:
                 prompts = make_prompts(wave_seed, n, settings.prompt_len, llm.engine.vocab_size)
@@ -220,8 +220,8 @@ def regress(
             "graphs.backend: got 'eager'; the captured run needs auto, compile or cuda_graph"
         )
     with LLM(model=model, config=cfg, overrides=["graphs.backend=eager"]) as oracle:
-        max_running = oracle.engine.scheduler.max_running
-        buckets = [b for b in cfg.graphs.buckets if b <= max_running] or [max_running]
+        max_running = oracle.parts.max_running
+        buckets = usable_buckets(cfg.graphs.buckets, max_running)
         sizes = batch_sizes(settings, buckets)
         if sizes[-1] > max_running:
             raise ValueError(
@@ -241,7 +241,7 @@ def regress(
             perturb(captured)
         got = _run_all(captured, settings, sizes, backend)
         graph_report = captured.engine.runner.graph_report()
-        runner_buckets = list(captured.engine.runner.graph_runner.buckets)  # type: ignore[union-attr]
+    runner_buckets = buckets
     waves = []
     for r, g in zip(ref, got, strict=True):
         n, delta = len(r["ids"]), g["delta"]

@@ -21,7 +21,7 @@ def _decode_inputs(llm: LLM, n: int, prompt: object) -> object:
     while len(running) < n or not all(r.prefill_done and r.output_ids for r in running):
         eng.step()
     chunks = [Chunk(r, r.total_len - 1, 1) for r in eng.scheduler.running]
-    return eng.runner.decode_inputs(Batch(chunks, is_decode=True))
+    return eng.runner.inputs.decode(Batch(chunks, is_decode=True))
 
 
 @pytest.mark.parametrize("which", ["llama", "qwen3_5", "row"])
@@ -35,14 +35,14 @@ def test_full_decode_step_is_capture_safe(tiny_ckpts, hybrid_ckpts, row_ckpt, wh
     with LLM(model=ckpt, overrides=["graphs.backend=compile", "graphs.buckets=[4]"]) as llm:
         inputs = _decode_inputs(llm, 3, prompt)
         with torch.inference_mode():
-            out = check_capture_safe(llm.engine.runner._graph_step, inputs)
-        assert out["next_ids"].shape == (3,)
+            out = check_capture_safe(llm.engine.runner.graph_step, inputs)
+        assert out.next_ids.shape == (3,)
         # The checker is live here: a planted host sync in the same step is caught.
-        step = llm.engine.runner._graph_step
+        step = llm.engine.runner.graph_step
 
         def planted(inp: object) -> object:
             res = step(inp)
-            _ = int(res["next_ids"][0])  # a host sync
+            _ = int(res.next_ids[0])  # a host sync
             return res
 
         with pytest.raises(CaptureSafetyError), torch.inference_mode():
@@ -66,7 +66,7 @@ def test_200_steps_no_recompile_no_new_pool_memory(tiny_ckpts) -> None:
         assert capture_s == pytest.approx(runner.capture_seconds) and capture_s > 0
         assert eng.stats()["decode_time"] < capture_s  # a few fast steps, not the compiles
         pools = [t.data_ptr() for t in eng.parts.kv_pool.k + eng.parts.kv_pool.v]
-        table = eng.req_to_token.table.data_ptr()
+        table = eng.parts.req_to_token.table.data_ptr()
         steps0 = eng.stats()["decode_steps"]
         # Changing batch sizes: staggered lengths make the decode batch shrink and grow.
         i = 0
@@ -84,6 +84,6 @@ def test_200_steps_no_recompile_no_new_pool_memory(tiny_ckpts) -> None:
         assert s["graph_replays"] >= 200
         assert set(map(tuple, runner.stats()["captured"])) == captured  # nothing new compiled
         assert [t.data_ptr() for t in eng.parts.kv_pool.k + eng.parts.kv_pool.v] == pools
-        assert eng.req_to_token.table.data_ptr() == table
+        assert eng.parts.req_to_token.table.data_ptr() == table
         assert s["capture_time"] == capture_s  # no capture after warm-up
         eng.check_invariants()

@@ -169,8 +169,8 @@ def run_timed(
         eng = llm.engine
         booked: list[Any] = []
         if device == "cpu":
-            eng.clock = DeviceClock(torch.device("cpu"), event=HostEvent)
-        real_book = eng.clock.book
+            eng.recorder.clock = DeviceClock(torch.device("cpu"), event=HostEvent)
+        real_book = eng.recorder.clock.book
 
         def book(marks: Any) -> None:
             # Booked events are recorded again later: keep what they read at booking.
@@ -178,7 +178,7 @@ def run_timed(
             booked.append((marks, times))
             real_book(marks)
 
-        eng.clock.book = book  # type: ignore[method-assign]
+        eng.recorder.clock.book = book  # type: ignore[method-assign]
         prompts = [[5 + i, 7, 9, 11 + i] for i in range(4)]
         params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
         wall = 0.0
@@ -235,7 +235,7 @@ def test_summary_reports_device_time(tiny_ckpts: dict[str, Path]) -> None:
 
     with LLM(model=tiny_ckpts["llama"], overrides=["graphs.backend=eager"]) as llm:
         assert "device time" not in render_summary(llm)  # CPU: no events, no line
-        llm.engine.clock = DeviceClock(torch.device("cpu"), event=HostEvent)
+        llm.engine.recorder.clock = DeviceClock(torch.device("cpu"), event=HostEvent)
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)
         line = next(ln for ln in render_summary(llm).splitlines() if ln.startswith("device time"))
         assert "decode busy" in line and "idle between steps" in line

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from hyloop import LLM, SamplingParams
+from hyloop.framework.batch import Batch
 from hyloop.framework.engine import Engine
 from hyloop.framework.request import RequestOutput
 
@@ -326,7 +327,7 @@ def test_stress_500_requests_dense(tiny_ckpts: dict[str, Path]) -> None:
     with LLM(model=tiny_ckpts["llama"], overrides=overrides) as llm:
         eng = llm.engine
         run = drive_with_step_aborts(eng, jobs, aborts)
-        assert eng.lookahead is not None and eng.lookahead.inflight is None
+        assert eng.lookahead_enabled and not eng.pipeline.unresolved()
         ledger_is_closed(eng)
         assert_tree_holds_only_returned_tokens(eng, run.outputs)
     assert len(run.outputs) == len(jobs)
@@ -379,17 +380,23 @@ def launch_decode(eng: Engine, n: int) -> None:
     for _ in range(10):
         eng.step()
         eng.check_invariants()
-        la = eng.lookahead
-        assert la is not None
-        if la.inflight is not None and la.inflight.batch.is_decode:
+        if inflight_decode(eng) is not None:
             return
     raise AssertionError("no decode step was launched")
 
 
+def inflight_decode(eng: Engine) -> Batch | None:
+    """The batch of the oldest launched decode step not yet resolved."""
+    assert eng.lookahead_enabled
+    batches = [p.step.batch for p in eng.pipeline.unresolved()]
+    return next((b for b in batches if b.is_decode), None)
+
+
 def read_page_slot(eng: Engine) -> int:
     """A slot of a page the in-flight step reads, owned by the request (not the tree)."""
-    assert eng.lookahead is not None and eng.lookahead.inflight is not None
-    chunk = eng.lookahead.inflight.batch.chunks[0]
+    batch = inflight_decode(eng)
+    assert batch is not None
+    chunk = batch.chunks[0]
     req = chunk.req
     assert req.slots is not None and chunk.start >= req.own_from
     return int(req.slots[chunk.start])
@@ -399,8 +406,11 @@ def test_page_freed_under_a_launched_step_is_caught(tiny_ckpts: dict[str, Path])
     with LLM(model=tiny_ckpts["llama"], overrides=EARLY_FREE) as llm:
         eng = llm.engine
         launch_decode(eng, 3)
-        # Bypass the deferral: a plain free puts the page straight on the free list.
-        eng.kv_alloc.free(torch.tensor([read_page_slot(eng)]))
+        # Bypass the deferral: a free outside the fence puts the page straight on the free list.
+        alloc = eng.kv_alloc
+        fence, alloc.fence = alloc.fence, None
+        alloc.free(torch.tensor([read_page_slot(eng)]))
+        alloc.fence = fence
         with pytest.raises(AssertionError, match="still reads it"):
             eng.check_invariants()
 
@@ -409,8 +419,9 @@ def test_pending_flushed_early_is_caught(tiny_ckpts: dict[str, Path]) -> None:
     with LLM(model=tiny_ckpts["llama"], overrides=EARLY_FREE) as llm:
         eng = llm.engine
         launch_decode(eng, 3)
-        inflight = eng.lookahead.inflight  # type: ignore[union-attr]
-        victim = inflight.batch.chunks[0].req
+        batch = inflight_decode(eng)
+        assert batch is not None
+        victim = batch.chunks[0].req
         # The normal path: an abort during flight parks the request's pages as pending-free.
         eng.abort_request(victim.request_id)
         assert eng.kv_alloc.pending_size() > 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,7 @@ def test_switching_between_waves_keeps_outputs(tiny_ckpts: dict[str, Path]) -> N
         got = []
         for w, prompts in enumerate(waves()):
             llm.engine.set_lookahead(w % 2 == 0)
-            assert (llm.engine.lookahead is not None) == (w % 2 == 0)
+            assert llm.engine.lookahead_enabled == (w % 2 == 0)
             hidden = llm.stats().get("lookahead_hidden_host_s", 0.0)
             got.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
             ran = llm.stats().get("lookahead_hidden_host_s", 0.0) > hidden
@@ -60,7 +61,7 @@ def test_switching_at_random_steps_mid_run(tiny_ckpts: dict[str, Path]) -> None:
             want = rng.random() < 0.5
             try:
                 eng.set_lookahead(want)
-                switched += (eng.lookahead is not None) == want
+                switched += eng.lookahead_enabled == want
             except RuntimeError:
                 refused += 1
             for out in eng.step():
@@ -78,24 +79,36 @@ def test_switch_refused_while_a_step_is_in_flight(tiny_ckpts: dict[str, Path]) -
         eng = llm.engine
         eng.add_request("a", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
         for _ in range(10):
-            if eng.lookahead is not None and eng.lookahead.inflight is not None:
+            if eng.pipeline.unresolved():
                 break
             eng.step()
         with pytest.raises(RuntimeError, match="in flight"):
             eng.set_lookahead(False)
         eng.set_lookahead(True)  # already on: nothing to change
-        assert eng.lookahead.inflight is not None
+        assert eng.lookahead_enabled and eng.pipeline.unresolved()
+
+
+def _resolve_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("hyloop-resolve")]
 
 
 def test_switching_back_on_reuses_the_parked_thread(tiny_ckpts: dict[str, Path]) -> None:
+    before = set(_resolve_threads())
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
     with LLM(model=tiny_ckpts["llama"], overrides=[*OVERRIDES, "lookahead.enable=true"]) as llm:
-        first = llm.engine.lookahead
-        assert first is not None
+        llm.generate([[5, 6, 7], [8, 9]], params, use_tqdm=False)
+        first = set(_resolve_threads()) - before
+        assert len(first) == 1  # the resolve thread of this engine
+        hidden = llm.stats()["lookahead_hidden_host_s"]
+        assert hidden > 0
         llm.engine.set_lookahead(False)
         llm.engine.set_lookahead(True)
-        assert llm.engine.lookahead is first
+        llm.generate([[5, 6, 7], [8, 9]], params, use_tqdm=False)
+        assert set(_resolve_threads()) - before == first  # the same thread, no second one
+        assert llm.stats()["lookahead_hidden_host_s"] > hidden  # its counters carried over
         llm.engine.set_lookahead(False)
-    assert first._pool._shutdown  # close() shut the parked thread down too
+    # close() shut the parked loop's thread down too
+    assert not any(t.is_alive() for t in first)
     with pytest.raises(RuntimeError, match="closed"):
         llm.engine.set_lookahead(True)
 
@@ -104,4 +117,4 @@ def test_set_lookahead_wants_a_bool(tiny_ckpts: dict[str, Path]) -> None:
     with LLM(model=tiny_ckpts["llama"], overrides=[*OVERRIDES, "lookahead.enable=true"]) as llm:
         with pytest.raises(TypeError, match="bool"):
             llm.engine.set_lookahead("auto")  # type: ignore[arg-type]
-        assert llm.engine.lookahead is not None
+        assert llm.engine.lookahead_enabled

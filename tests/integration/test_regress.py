@@ -104,8 +104,8 @@ def flip_captured_tokens(llm: LLM) -> None:
     def run(inputs: Any, *args: Any) -> Any:
         out = replay(inputs, *args)
         pos = inputs.out_pos
-        out["logits"] = out["logits"] + 0.5 * (pos == 1).to(out["logits"].dtype)[:, None]
-        out["next_ids"] = torch.where(pos == 2, (out["next_ids"] + 1) % vocab, out["next_ids"])
+        out.logits = out.logits + 0.5 * (pos == 1).to(out.logits.dtype)[:, None]
+        out.next_ids = torch.where(pos == 2, (out.next_ids + 1) % vocab, out.next_ids)
         return out
 
     runner.run = run  # type: ignore[method-assign]

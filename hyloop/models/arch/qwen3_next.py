@@ -24,6 +24,7 @@ from hyloop.models.layers.norm import RMSNorm
 from hyloop.models.layers.rope import RopeSpec, RotaryEmbedding
 from hyloop.models.registry import register, text_config
 from hyloop.pools.recurrent_pool import RecurrentPool
+from hyloop.pools.step_fence import StepFence
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -241,6 +242,7 @@ class HybridCausalLM(DecoderLM):
         num_slots: int,
         device: torch.device | str,
         conv_dtype: torch.dtype = torch.float32,
+        fence: StepFence | None = None,
     ) -> RecurrentPool:
         """A pool for this model's recurrent layers; the temporal state is always fp32."""
         d = self.spec.gdn
@@ -252,6 +254,7 @@ class HybridCausalLM(DecoderLM):
             d.conv_kernel,
             conv_dtype=conv_dtype,
             device=device,
+            fence=fence,
         )
 
 

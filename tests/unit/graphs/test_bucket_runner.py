@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import load_hf_model
 
-from hyloop.framework.model_runner import SamplingTensors, StepOutput, run_step
+from hyloop.framework.step_fn import SamplingTensors, StepOutput, run_step
 from hyloop.graphs.backends import RecompileError
 from hyloop.graphs.bucket_runner import BucketRunner
 from hyloop.graphs.buckets import kv_len_buckets, pick_bucket
@@ -399,10 +399,7 @@ def test_tiny_llama_decode_compiled_equals_eager(tiny_ckpts) -> None:
         r2t.write(row, 0, 1 + row * max_ctx + torch.arange(max_ctx))
 
     def step(inputs: StepInputs) -> StepOutput:
-        st = SamplingTensors(
-            inputs.temperature, inputs.top_k, inputs.top_p, inputs.seeds, inputs.out_pos,
-            inputs.filtered, inputs.num_logprobs,
-        )  # fmt: skip
+        st = SamplingTensors.of(inputs)
         ctx = inputs.to_context(r2t.table, kv=kv)
         return run_step(model, ctx, st, tok_hash, keep_logits=True)
 

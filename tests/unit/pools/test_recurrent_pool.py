@@ -7,13 +7,16 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from hyloop.pools.recurrent_pool import RecurrentPool, SlotRole
+from hyloop.pools.step_fence import StepFence
 
 TEMPORAL = (2, 3, 4)
 CONV_DIM, KERNEL = 5, 4
 
 
-def make_pool(num_slots: int = 6, num_layers: int = 3) -> RecurrentPool:
-    return RecurrentPool(num_layers, num_slots, TEMPORAL, CONV_DIM, KERNEL)
+def make_pool(
+    num_slots: int = 6, num_layers: int = 3, fence: StepFence | None = None
+) -> RecurrentPool:
+    return RecurrentPool(num_layers, num_slots, TEMPORAL, CONV_DIM, KERNEL, fence=fence)
 
 
 def fill_random(pool: RecurrentPool) -> None:
@@ -82,7 +85,8 @@ def test_alloc_zeroes_and_zero_slots() -> None:
 
 
 def test_roles_ledger_and_deferred_free() -> None:
-    pool = make_pool(num_slots=6)
+    fence = StepFence()
+    pool = make_pool(num_slots=6, fence=fence)
     active = pool.alloc(2)
     cow = pool.alloc(1, SlotRole.COW)
     tree = pool.alloc(2, SlotRole.TREE)
@@ -93,11 +97,12 @@ def test_roles_ledger_and_deferred_free() -> None:
     assert pool.role_of(int(active[0])) is SlotRole.TRACK
     pool.check_invariants(tree_held=2, active_held=2, track_held=1)
 
-    pool.free_deferred(tree[:1])
+    gen = fence.issue()  # a step is launched: what it may read must outlive it
+    pool.release(tree[:1])
     assert pool.available_size() == 1  # still unavailable while a step may read it
     pool.check_invariants(tree_held=1)
     assert pool.counts()[SlotRole.PENDING_FREE] == 1
-    assert pool.flush_pending() == 1
+    fence.retire(gen)
     assert pool.available_size() == 2
     pool.check_invariants(tree_held=1)
 
@@ -109,15 +114,18 @@ def test_roles_ledger_and_deferred_free() -> None:
 
 
 def test_double_free_and_bad_roles() -> None:
-    pool = make_pool()
+    fence = StepFence()
+    pool = make_pool(fence=fence)
     slots = pool.alloc(2)
     assert slots is not None
     pool.release(slots[:1])
     with pytest.raises(ValueError, match="double free"):
         pool.release(slots[:1])
-    pool.free_deferred(slots[1:])
+    gen = fence.issue()
+    pool.release(slots[1:])
     with pytest.raises(ValueError, match="PENDING_FREE"):
-        pool.free_deferred(slots[1:])
+        pool.release(slots[1:])
+    fence.retire(gen)
     with pytest.raises(ValueError, match="double free"):
         pool.release(slots[1:])
     with pytest.raises(ValueError, match="set_role"):
@@ -139,9 +147,10 @@ class PoolMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.pool = make_pool(num_slots=8, num_layers=1)
+        self.fence = StepFence()
+        self.pool = make_pool(num_slots=8, num_layers=1, fence=self.fence)
         self.model: dict[int, SlotRole] = {}
-        self.pending: set[int] = set()
+        self.pending: dict[int, int] = {}  # slot -> generation it waits for
 
     def _held(self) -> list[int]:
         return sorted(self.model)
@@ -155,7 +164,7 @@ class PoolMachine(RuleBasedStateMachine):
             return
         assert slots is not None
         got = slots.tolist()
-        assert len(set(got)) == n and not set(got) & (set(self.model) | self.pending)
+        assert len(set(got)) == n and not set(got) & (set(self.model) | set(self.pending))
         self.model.update(dict.fromkeys(got, role))
 
     @precondition(lambda self: self.model)
@@ -166,20 +175,24 @@ class PoolMachine(RuleBasedStateMachine):
         self.model[s] = role
 
     @precondition(lambda self: self.model)
-    @rule(data=st.data(), deferred=st.booleans())
-    def free(self, data: st.DataObject, deferred: bool) -> None:
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
         s = data.draw(st.sampled_from(self._held()))
-        if deferred:
-            self.pool.free_deferred([s])
-            self.pending.add(s)
-        else:
-            self.pool.release([s])
+        self.pool.release([s])
+        if not self.fence.idle:  # a launched step may read it: it waits for the newest one
+            self.pending[s] = self.fence.issued
         del self.model[s]
 
     @rule()
-    def flush(self) -> None:
-        assert self.pool.flush_pending() == len(self.pending)
-        self.pending.clear()
+    def launch(self) -> None:
+        self.fence.issue()
+
+    @precondition(lambda self: not self.fence.idle)
+    @rule(data=st.data())
+    def retire(self, data: st.DataObject) -> None:
+        gen = data.draw(st.integers(self.fence.retired + 1, self.fence.issued))
+        self.fence.retire(gen)
+        self.pending = {s: g for s, g in self.pending.items() if g > gen}
 
     @rule(s=st.integers(1, 8))
     def free_unheld_fails(self, s: int) -> None:
