@@ -192,3 +192,99 @@ def build_row_checkpoint(path: Path, config: dict[str, Any] = TINY_ROW, seed: in
 @pytest.fixture(scope="session")
 def row_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_row_checkpoint(tmp_path_factory.mktemp("row_ckpt") / "row")
+
+
+def tiny_moss_local_config(n_vq: int, audio_vocab: int, local_layers: int) -> dict[str, Any]:
+    """A MOSS-TTS-Local config.json: Qwen3 backbone, ``n_vq`` codebooks, special ids < 256."""
+    return dict(
+        architectures=["MossTTSLocalModel"],
+        model_type="moss_tts_local",
+        language_config=dict(TINY_DENSE["qwen3"]),
+        hidden_size=64,
+        n_vq=n_vq,
+        channels=n_vq + 1,
+        audio_vocab_size=audio_vocab,
+        audio_pad_code=audio_vocab,
+        vocab_size_list=[256] + [audio_vocab + 1] * n_vq,
+        local_transformer_layers=local_layers,
+        gpt2_config=dict(n_head=4, n_inner=128, rope_base=1_000_000.0, layer_norm_epsilon=1e-6),
+        audio_assistant_slot_token_id=250,
+        audio_end_token_id=251,
+        pad_token_id=252,
+        initializer_range=0.1,
+    )
+
+
+def moss_local_tensors(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights in the released layout: the Qwen3 backbone under ``transformer.`` (a
+    transformers model), codebook tables of ``audio_vocab_size`` rows, the local transformer,
+    the binary stop head, and the unused ``text_lm_head`` / ``audio_lm_heads`` tensors."""
+    import transformers
+
+    torch.manual_seed(seed)
+    lang = config["language_config"]
+    qwen_cfg = transformers.Qwen3Config(
+        **{k: v for k, v in lang.items() if k not in ("model_type", "architectures")}
+    )
+    qwen = transformers.Qwen3ForCausalLM(qwen_cfg).float().eval()
+    out = {
+        "transformer." + k.removeprefix("model."): v
+        for k, v in qwen.state_dict().items()
+        if k.startswith("model.")
+    }
+    out["text_lm_head.weight"] = qwen.lm_head.weight.detach().clone()
+    hidden, std = config["hidden_size"], 0.1
+    inner = config["gpt2_config"]["n_inner"]
+    vocab = config["audio_vocab_size"]
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape) * std
+
+    for i in range(config["n_vq"]):
+        out[f"audio_embeddings.{i}.weight"] = normal(vocab, hidden)
+        out[f"audio_lm_heads.{i}.weight"] = normal(vocab, hidden)
+    for i in range(config["local_transformer_layers"]):
+        p = f"local_transformer.h.{i}."
+        for ln in ("ln_1", "ln_2"):
+            out[p + ln + ".weight"] = 1.0 + normal(hidden)
+            out[p + ln + ".bias"] = normal(hidden)
+        shapes = {
+            "attn.c_attn": (3 * hidden, hidden),
+            "attn.c_proj": (hidden, hidden),
+            "mlp.fc_in": (inner, hidden),
+            "mlp.fc_out": (hidden, inner),
+        }
+        for name, (rows, cols) in shapes.items():
+            out[p + name + ".weight"] = normal(rows, cols)
+            out[p + name + ".bias"] = normal(rows)
+    out["local_transformer.ln_f.weight"] = 1.0 + normal(hidden)
+    out["local_transformer.ln_f.bias"] = normal(hidden)
+    out["local_text_lm_head.weight"] = normal(2, hidden)
+    return {k: v.detach().contiguous() for k, v in out.items()}
+
+
+def write_moss_local_checkpoint(
+    path: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]
+) -> Path:
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    save_file(tensors, path / "model.safetensors")
+    return path
+
+
+TINY_MOSS_LOCAL: dict[str, tuple[int, int, int]] = {  # name -> (n_vq, audio vocab, local layers)
+    "nvq3_v16_l1": (3, 16, 1),
+    "nvq4_v32_l2": (4, 32, 2),
+}
+
+
+@pytest.fixture(scope="session")
+def moss_local_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("moss_local")
+    ckpts = {}
+    for seed, (name, shape) in enumerate(TINY_MOSS_LOCAL.items()):
+        cfg = tiny_moss_local_config(*shape)
+        ckpts[name] = write_moss_local_checkpoint(root / name, cfg, moss_local_tensors(cfg, seed))
+    return ckpts
