@@ -16,8 +16,9 @@ its events; its busy time is left out, as the engine's step times leave capture 
 On CPU a step runs synchronously on the host, so there is nothing to record; the engine's wall
 clock split (``step_exec_time`` / ``host_exposed_time``) already says what this clock would.
 
-Events are booked in launch order by whichever thread resolves the step (one at a time: see
-``lookahead``), so the clock needs no lock. Booked events go back to a free list for reuse.
+Events are booked in launch order by the thread that calls ``Engine.step`` (the recorder does
+it once a step is known complete), so the clock needs no lock. Booked events go back to a free
+list for reuse.
 """
 
 from __future__ import annotations

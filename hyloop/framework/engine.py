@@ -11,6 +11,7 @@ had been made between the two steps.
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 from collections.abc import Callable
@@ -27,6 +28,8 @@ from hyloop.framework.request import Request, RequestOutput
 from hyloop.framework.request_memory import RequestMemory
 from hyloop.framework.sampling_params import SamplingParams
 from hyloop.framework.sync_loop import SyncLoop
+
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -78,7 +81,8 @@ class Engine:
         self._lock = threading.Lock()
         self._in_step = False
         self._queued: list[Callable[[], None]] = []  # user calls made during a step
-        self._queued_ids: set[str] = set()
+        self._queued_ids: set[str] = set()  # adds queued during the step
+        self._queued_aborts: set[str] = set()  # aborts queued during the step
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(
@@ -90,8 +94,13 @@ class Engine:
         """Queue a request. Errors name the request; a bad one never reaches the engine."""
         req = self._new_request(request_id, prompt, sampling_params)
         with self._lock:
-            if request_id in self.requests or request_id in self._queued_ids:
+            live = request_id in self.requests and request_id not in self._queued_aborts
+            if live or request_id in self._queued_ids:
                 raise ValueError(f"request {request_id!r}: id already in use")
+            # Drawn only once the request is accepted, so a refused one leaves the seed
+            # stream of later requests as it was.
+            seed = req.params.seed if req.params.seed is not None else self._rng.getrandbits(32)
+            req.seed32 = seed & 0xFFFFFFFF
             if self._in_step:
                 self._queued_ids.add(request_id)
                 self._queued.append(lambda: self.requests.add(req))
@@ -103,6 +112,8 @@ class Engine:
         launched step may read it."""
         with self._lock:
             if self._in_step:
+                self._queued_aborts.add(request_id)
+                self._queued_ids.discard(request_id)  # an add queued before it is aborted too
                 self._queued.append(lambda: self.requests.abort(request_id))
             else:
                 self.requests.abort(request_id)
@@ -138,13 +149,11 @@ class Engine:
         stop = set(params.stop_token_ids or [])
         if not params.ignore_eos:
             stop |= self.eos_ids
-        with self._lock:  # the seed stream is shared by every caller thread
-            seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         return Request(
             request_id=request_id,
             prompt_ids=ids,
             params=params,
-            seed32=seed & 0xFFFFFFFF,
+            seed32=0,  # set by add_request once the id is accepted
             max_new=max_new,
             stop_ids=frozenset(stop),
             logprobs=[] if params.logprobs is not None else None,
@@ -174,8 +183,12 @@ class Engine:
                 self._in_step = False
                 queued, self._queued = self._queued, []
                 self._queued_ids.clear()
+                self._queued_aborts.clear()
                 for call in queued:  # the step boundary: calls made during the step apply now
-                    call()
+                    try:
+                        call()
+                    except Exception:  # checked when made, so not expected: never lose the rest
+                        log.exception("a queued request call failed at the step boundary")
         for out in outputs:
             if out.finished:
                 self.finished += 1

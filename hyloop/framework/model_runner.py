@@ -65,8 +65,6 @@ class StepKind(Protocol):
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor: ...
 
-    def capture_seconds(self) -> float: ...
-
 
 class ModelRunner:
     """Owns the model step and its backend; ``backend`` is the one in use, never ``auto``."""

@@ -19,7 +19,9 @@ Ownership, in code:
   unretired waits for it; ``resolve(N)`` retires N first.
 - One step late: a request that finished at step N rode along in step N+1; that token is
   discarded, never returned, never inserted into the tree. Its recurrent state was advanced by
-  N+1, so it is never committed as a snapshot (track slots published at boundaries are).
+  N+1, so it is never committed as a snapshot (track slots published at boundaries are). The
+  rule is the fence's: a finishing request's state is committed only when no step is
+  unretired, as on a drain or a step run synchronously (prefill, batches under ``min_batch``).
 - Outputs of a step are owned copies (the bucket runner clones them; on CUDA the ids are copied
   to pinned host memory behind an event), so a later replay cannot overwrite them.
 """
@@ -66,7 +68,12 @@ class OverlapLoop:
                 return []
             if not batch.is_decode or batch.size < self.min_batch:
                 return run_blocking(pipe, rec, batch, t0)
-            self._inflight = pipe.launch(pipe.prepare(batch), blocking=False)
+            first = pipe.prepare(batch)
+            try:
+                self._inflight = pipe.launch(first, blocking=False)
+            except BaseException:
+                pipe.abandon(first)
+                raise
             rec.account(batch, self._inflight.timing, t0)
             return []
         plan, self._plan = self._plan, None
@@ -84,7 +91,11 @@ class OverlapLoop:
         def start() -> None:  # the step's inputs are staged: resolve N and plan N+2 meanwhile
             futures.append(self._pool.submit(self._resolve_and_plan, prev, plan, stream))
 
-        launched = pipe.launch(plan, after=prev, on_staged=start, blocking=False)
+        try:
+            launched = pipe.launch(plan, after=prev, on_staged=start, blocking=False)
+        except BaseException:
+            self._recover(prev, futures)
+            raise
         self._inflight = launched
         rec.account(plan.step.batch, launched.timing, t0)
         if not futures:
@@ -94,6 +105,20 @@ class OverlapLoop:
         rec.exposed(rec.now() - t_wait, decode=True, waited=True)
         rec.completed(prev.timing)
         return outputs
+
+    def _recover(self, prev: LaunchedStep, futures: list[Future[Resolved]]) -> None:
+        """Launching the planned step raised: finish ``prev`` (on the resolve thread if it started)
+        and drop what was planned, so the next ``step()`` starts with nothing in flight. The
+        resolved tokens stay applied; finished outputs come with the next step."""
+        self._inflight = self._plan = None
+        if futures:
+            with contextlib.suppress(BaseException):
+                futures[0].result()
+        else:
+            self.pipeline.resolve(prev)
+        self.recorder.completed(prev.timing)
+        for pending in self.pipeline.unresolved():  # ``failed``, and whatever was planned
+            self.pipeline.abandon(pending)
 
     def _resolve_and_plan(self, prev: LaunchedStep, running: Pending, stream: object) -> Resolved:
         """Resolve thread: resolve ``prev`` while ``running`` executes, then plan the next.

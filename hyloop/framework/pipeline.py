@@ -44,7 +44,7 @@ class LaunchedStep:
     pending: Pending
     output: StepOutput  # owned tensors (the bucket runner copies replays out)
     host_ids: torch.Tensor | list[int]  # a list once copied (blocking launch)
-    host_rows: list[list[int]] | None
+    host_rows: torch.Tensor | list[list[int]] | None  # multi-channel rows, the same way
     event: Any  # torch.cuda.Event behind the non-blocking host copy, else None
     timing: StepTiming
 
@@ -146,12 +146,26 @@ class StepPipeline:
         keep = self.requests.capture_logits
         with self.recorder.executing(step.batch) as timing:
             out = self.kind.execute(step, keep, on_staged)
+            timing.step_done()  # the device-time end mark: before the copy to the host
             if blocking or out.next_ids.device.type != "cuda":
                 host_ids: torch.Tensor | list[int] = out.next_ids.tolist()
                 rows = out.next_rows.tolist() if out.next_rows is not None else None
                 return LaunchedStep(pending, out, host_ids, rows, None, timing)
-            host, event = _host_copy(out.next_ids)
-        return LaunchedStep(pending, out, host, None, event, timing)
+            host, host_rows, event = _host_copy(out.next_ids, out.next_rows)
+        return LaunchedStep(pending, out, host, host_rows, event, timing)
+
+    def abandon(self, pending: Pending) -> None:
+        """A prepared step that will never be resolved (its launch raised). Once the device
+        has finished everything queued, no launched step reads anything: every generation
+        retires, and the step's track slots go back. Call it with no other thread working on
+        the pipeline."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._unresolved.pop(pending.gen, None)
+        for c in pending.step.batch.chunks:
+            self.requests.memory.drop_track_slot(c.track_slot)
+            c.track_slot = 0
+        self.fence.retire(self.fence.issued)
 
     # -- resolve --------------------------------------------------------------------------------
     def resolve(self, launched: LaunchedStep) -> list[RequestOutput]:
@@ -162,8 +176,8 @@ class StepPipeline:
         if isinstance(ids, torch.Tensor):
             ids = ids.tolist()
         rows = launched.host_rows
-        if rows is None and launched.output.next_rows is not None:
-            rows = launched.output.next_rows.tolist()
+        if isinstance(rows, torch.Tensor):
+            rows = rows.tolist()
         # Step ``launched`` has completed: what waited on it is reusable.
         self.fence.retire(launched.gen)
         del self._unresolved[launched.gen]
@@ -200,9 +214,19 @@ class StepPipeline:
                     raise AssertionError(f"state slot {slot} is free while step {p.gen} uses it")
 
 
-def _host_copy(next_ids: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    host = torch.empty(next_ids.shape, dtype=next_ids.dtype, pin_memory=True)
-    host.copy_(next_ids, non_blocking=True)
+def _host_copy(
+    next_ids: torch.Tensor, next_rows: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+    """Pinned host copies of a step's ids (and rows) behind one event: resolve waits on the
+    event, never on a later step queued behind it."""
+
+    def pinned(t: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        return host
+
+    ids = pinned(next_ids)
+    rows = pinned(next_rows) if next_rows is not None else None
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(next_ids.device))  # the copy's device: may be cuda:1
-    return host, event
+    return ids, rows, event

@@ -26,6 +26,7 @@ class StepTiming:
 
     exec_s: float = 0.0  # host time inside the launch (on CUDA the launch only)
     marks: StepMarks | None = None  # device events around the step (CUDA)
+    step_done: Callable[[], None] = lambda: None  # records the end mark (the step is queued)
 
 
 @dataclass
@@ -56,13 +57,20 @@ class StepRecorder:
     @contextlib.contextmanager
     def executing(self, batch: Batch) -> Iterator[StepTiming]:
         """Time a launch: host time and, on CUDA, events around the step."""
-        timing = StepTiming()
         t0 = time.perf_counter()
         marks, captured = self.clock.begin(batch.is_decode), self._capture_seconds()
+        ended = False
+
+        def step_done() -> None:
+            nonlocal ended
+            if not ended:
+                ended = True
+                self.clock.end(marks, captured=self._capture_seconds() > captured)
+
+        timing = StepTiming(marks=marks, step_done=step_done)
         yield timing
-        self.clock.end(marks, captured=self._capture_seconds() > captured)
+        step_done()  # the launch did not mark it (a kind that copies nothing out)
         timing.exec_s = time.perf_counter() - t0
-        timing.marks = marks
 
     def account(self, batch: Batch, timing: StepTiming, since: float) -> None:
         """A step whose scheduling began at ``since`` and whose launch took ``timing``."""

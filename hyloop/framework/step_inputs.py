@@ -143,7 +143,7 @@ class InputBuilder:
         f32 = h2d(torch.tensor([temps, topp], dtype=torch.float32))
         i64 = h2d(torch.tensor([topk, seeds, outpos], dtype=torch.int64))
         sampling = SamplingTensors(
-            f32[0], i64[0], f32[1], i64[1], i64[2], filtered, nlp, all(t == 0 for t in temps)
+            f32[0], i64[0], f32[1], i64[1], i64[2], filtered, nlp, self.greedy_only(batch)
         )
         return ctx, sampling
 

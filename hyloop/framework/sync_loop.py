@@ -12,7 +12,12 @@ def run_blocking(
     pipeline: StepPipeline, recorder: StepRecorder, batch: Batch, since: float
 ) -> list[RequestOutput]:
     """Prepare, launch and resolve ``batch`` on this thread (its scheduling began at ``since``)."""
-    launched = pipeline.launch(pipeline.prepare(batch))
+    pending = pipeline.prepare(batch)
+    try:
+        launched = pipeline.launch(pending)
+    except BaseException:
+        pipeline.abandon(pending)
+        raise
     outputs = pipeline.resolve(launched)
     recorder.completed(launched.timing)
     recorder.account(batch, launched.timing, since)

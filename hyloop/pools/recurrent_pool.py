@@ -112,6 +112,8 @@ class RecurrentPool:
 
     def _on_allocator_free(self, items: list[int]) -> None:
         # Slots the tree frees straight into the allocator (evicted snapshots) become FREE.
+        # NOTE: these skip the fence, safely: no launched step reads a tree snapshot (it is
+        # copied into a working slot at admission, which runs with nothing in flight).
         for s in items:
             self._role[s] = SlotRole.FREE
 

@@ -108,8 +108,9 @@ def test_requests_added_from_a_thread_while_stepping(tiny_ckpts: dict[str, Path]
                     eng.add_request(
                         f"r{i}", prompt(5 + i % 7, 100 + i), SamplingParams(max_tokens=6)
                     )
-                with pytest.raises(ValueError, match="already in use"):
-                    eng.add_request("r3", [5, 6], SamplingParams(max_tokens=2))
+                    if i == 3:  # r3 needs several steps to finish: its id is still taken
+                        with pytest.raises(ValueError, match="already in use"):
+                            eng.add_request("r3", [5, 6], SamplingParams(max_tokens=2))
             except BaseException as e:  # reported on the main thread
                 errors.append(e)
 
@@ -125,3 +126,40 @@ def test_requests_added_from_a_thread_while_stepping(tiny_ckpts: dict[str, Path]
         assert not errors
         assert done == {f"r{i}" for i in range(n)}
         assert eng.kv_alloc.pending_size() == 0
+
+
+@pytest.mark.parametrize("during", [False, True])
+def test_abort_then_reuse_the_id(tiny_ckpts: dict[str, Path], during: bool) -> None:
+    """``abort(x)`` then ``add_request(x)``: allowed between steps, and so during a step."""
+    with LLM(model=tiny_ckpts["llama"], overrides=[*OVERRIDES, "lookahead.enable=true"]) as llm:
+        eng = llm.engine
+        eng.add_request("x", prompt(9, 1), SamplingParams(max_tokens=20, seed=1))
+        for _ in range(3):
+            eng.step()
+
+        def calls(e: Engine) -> None:
+            e.abort_request("x")
+            e.add_request("x", prompt(7, 2), SamplingParams(max_tokens=4, seed=2))
+
+        if during:
+            real = eng.pipeline.launch
+
+            def launch(*args: Any, **kwargs: Any) -> Any:
+                eng.pipeline.launch = real  # type: ignore[method-assign]
+                t = threading.Thread(target=calls, args=(eng,))
+                t.start()
+                t.join()
+                return real(*args, **kwargs)
+
+            eng.pipeline.launch = launch  # type: ignore[method-assign]
+            eng.step()
+        else:
+            calls(eng)
+        finished = []
+        while eng.has_unfinished_requests():
+            finished += [o for o in eng.step() if o.finished]
+            eng.check_invariants()
+        assert [(o.request_id, o.finish_reason) for o in finished] == [
+            ("x", "abort"),
+            ("x", "length"),
+        ]
