@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from hyloop.framework.sampling_params import SamplingParams
-from hyloop.graphs.ops import prompt_row_keys
+from hyloop.graphs.ops import row_keys
 
 
 def token_prompt(
@@ -49,8 +49,10 @@ def row_prompt(
     params: SamplingParams,
     channel_vocab_sizes: list[int],
     max_context: int,
+    end_id: int,
 ) -> tuple[torch.Tensor, list[int]]:
-    """Multi-channel prompt rows ``[L, C]`` and their host-side radix keys."""
+    """Multi-channel prompt rows ``[L, C]`` and their radix keys (the op that keys generated
+    rows, run here on the host: a row resent in a prompt keeps the key it was generated with)."""
     where = f"request {request_id!r}"
     try:
         rows = torch.as_tensor(prompt, dtype=torch.int64)
@@ -71,7 +73,7 @@ def row_prompt(
     _check_room(where, rows.shape[0], "rows", max_context)
     if params.logprobs is not None:
         raise ValueError(f"{where}: logprobs are not supported for multi-channel rows")
-    return rows, prompt_row_keys(rows)
+    return rows, row_keys(rows, end_id).tolist()
 
 
 def _check_room(where: str, n: int, unit: str, max_context: int) -> None:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from hyloop.graphs.context import StepContext
-from hyloop.graphs.ops import row_radix_keys, scatter_track_slots
+from hyloop.graphs.ops import row_keys, scatter_track_slots
 from hyloop.graphs.sampler import sample
 from hyloop.graphs.static_inputs import StepInputs
 
@@ -92,7 +92,7 @@ def run_step(
             st.filtered,
             st.greedy_only,
         ).view(b, c)
-        return StepOutput(row_radix_keys(next_rows, model.end_id), kept, next_rows=next_rows)
+        return StepOutput(row_keys(next_rows, model.end_id), kept, next_rows=next_rows)
     next_ids = sample(
         logits,
         st.temperature,

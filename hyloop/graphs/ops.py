@@ -12,23 +12,23 @@ Radix keys:
   a Horner polynomial over all C channels modulo the Mersenne prime ``2**31 - 1``, folded into
   ``[0, hash_space)``; rows whose text channel is the end id keep the end id, so stop checks
   and the radix tree see the real EOS (``row_radix_keys``).
-* Prompt rows, keyed once on the host before decode: blake2b of the row's little-endian int64
-  bytes, 8 bytes, masked to 63 bits (``prompt_row_keys``). Generated keys (< ``hash_space``) and
-  prompt keys (63-bit) share one key space; a clash needs an identical full prefix first.
+  This is the key sglang-omni publishes for MOSS-TTS Local, bit for bit.
+* The engine's key of a row, generated or prompt (``row_keys``): two independent Horner hashes
+  (moduli ``2**31 - 1`` and ``2**31 - 19``, bases 1e9+7 and 998244353) packed into 62 bits and
+  lifted to ``[2**62, 2**63)``, so no row key equals a real end id, which rows whose channel 0 is
+  the end id keep. The same op keys prompt rows (on the host, before prefill) and generated rows
+  (in the captured step), so a row resent in a prompt has the key it was generated with.
 """
 
 from __future__ import annotations
 
-import hashlib
-
-import numpy as np
 import torch
 
 __all__ = [
     "HORNER_BASE",
     "HORNER_MOD",
     "ROW_HASH_SPACE",
-    "prompt_row_keys",
+    "row_keys",
     "row_radix_keys",
     "row_radix_keys_raw",
     "scatter_track_slots",
@@ -43,7 +43,9 @@ ROW_HASH_SPACE = 151643  # text vocabulary size of the Qwen-family TTS backbones
 # acc, base, value < 2**31: the product stays below 2**62 and the sum below 2**63 (no int64
 # overflow, so CPU and GPU give bit-identical keys).
 _BASE_REDUCED = HORNER_BASE % HORNER_MOD
-_PROMPT_KEY_MASK = (1 << 63) - 1
+# ``row_keys``: (modulus, base reduced by it) of the high and the low 31 bits.
+_KEY_HASHES = ((HORNER_MOD, _BASE_REDUCED), (2**31 - 19, 998_244_353))
+_KEY_OFFSET = 1 << 62
 
 
 def row_radix_keys_raw(rows: torch.Tensor) -> torch.Tensor:
@@ -79,26 +81,26 @@ def row_radix_keys(
     return torch.where(is_end, torch.full_like(folded, end_id), folded)
 
 
-def prompt_row_keys(rows: torch.Tensor | np.ndarray) -> list[int]:
-    """Host-side keys of prompt rows ``[N, C]``: 63-bit blake2b of each row's int64 bytes.
+def row_keys(rows: torch.Tensor, end_id: int) -> torch.Tensor:
+    """The engine's radix key of each row ``[B, C]``: int64 ``[B]`` on the rows' device.
 
-    Runs once per request before decode, never inside the captured step.
+    ``2**62 + (h1 << 31 | h2)`` with ``h1``, ``h2`` Horner hashes of the row modulo two
+    31-bit primes (floor remainders; every step below 2**63, so CPU and GPU agree bit for
+    bit); rows whose channel 0 equals ``end_id`` keep ``end_id``.
     """
-    array = rows.detach().cpu().numpy() if isinstance(rows, torch.Tensor) else np.asarray(rows)
-    if array.ndim != 2 or not np.issubdtype(array.dtype, np.integer):
-        raise ValueError(
-            f"rows must be a 2-D integer array [N, C], got shape {tuple(array.shape)} "
-            f"dtype {array.dtype}"
-        )
-    if array.dtype == np.uint64 and array.size and int(array.max()) > np.iinfo(np.int64).max:
-        raise ValueError(f"rows must fit in int64, got a uint64 value {int(array.max())}")
-    # Fixed little-endian int64 bytes, so keys do not depend on the host or the input dtype.
-    encoded = np.ascontiguousarray(array.astype("<i8"))
-    keys = []
-    for row in encoded:
-        digest = hashlib.blake2b(row.tobytes(), digest_size=8).digest()
-        keys.append(int.from_bytes(digest, "little") & _PROMPT_KEY_MASK)
-    return keys
+    _require_rows(rows)
+    if isinstance(end_id, bool) or not isinstance(end_id, int) or not 0 <= end_id < 2**62:
+        raise ValueError(f"end_id must be an int in [0, 2**62), got {end_id!r}")
+    values = rows.to(torch.int64)
+    keys = torch.full_like(values[:, 0], _KEY_OFFSET)
+    for shift, (mod, base) in zip((31, 0), _KEY_HASHES, strict=True):
+        v = torch.remainder(values, mod)
+        acc = torch.zeros_like(v[:, 0])
+        for c in range(v.shape[1]):  # C is static: the loop unrolls
+            acc = torch.remainder(acc * base + v[:, c], mod)
+        keys = keys + (acc << shift)
+    is_end = values[:, 0] == end_id
+    return torch.where(is_end, torch.full_like(keys, end_id), keys)
 
 
 def scatter_track_slots(

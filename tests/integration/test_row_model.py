@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hyloop import LLM, SamplingParams
-from hyloop.graphs.ops import HORNER_BASE, HORNER_MOD, ROW_HASH_SPACE
+from hyloop.graphs.ops import HORNER_BASE, HORNER_MOD
 
 END_ID = 2
 
@@ -19,13 +19,16 @@ def rand_rows(n: int, seed: int) -> list[list[int]]:
 
 
 def horner_key(row: list[int]) -> int:
-    """Python bignum reference of a generated row's radix key."""
+    """Python bignum reference of a row's radix key: two Horner hashes above 2**62."""
     if row[0] == END_ID:
         return END_ID
-    acc = 0
-    for v in row:
-        acc = (acc * HORNER_BASE + v % HORNER_MOD) % HORNER_MOD
-    return acc % ROW_HASH_SPACE
+    packed = 0
+    for mod, base in ((HORNER_MOD, HORNER_BASE), (2**31 - 19, 998_244_353)):
+        acc = 0
+        for v in row:
+            acc = (acc * base + v % mod) % mod
+        packed = (packed << 31) | acc
+    return 2**62 + packed
 
 
 PARAMS = [
@@ -76,9 +79,10 @@ def test_prompt_rows_hit_the_cache(row_ckpt) -> None:
         turn2 = turn1 + out1.rows + [[5, 1, 1, 1]]
         out2 = llm.generate([turn2], SamplingParams(max_tokens=4), use_tqdm=False)[0]
         llm.engine.check_invariants()
-    # Prompt rows are keyed on the host (blake2b), generated rows in the step (Horner), so a
-    # follow-up that re-sends turn 1's output as prompt rows reuses turn 1's prompt rows.
-    assert out2.num_cached_tokens == len(turn1)
+    # One key for a row however it arrives: a follow-up that re-sends turn 1's output as prompt
+    # rows reuses turn 1's prompt and every generated row turn 1 computed (all but its last,
+    # which was sampled and never fed back).
+    assert out2.num_cached_tokens == len(turn1) + len(out1.rows) - 1
 
 
 def test_bad_rows_fail_alone(row_ckpt) -> None:

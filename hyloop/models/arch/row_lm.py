@@ -2,8 +2,8 @@
 
 The backbone is the dense decoder of ``llama.py`` over the sum of per-channel embeddings; ``C``
 parallel heads predict the next row. Channel 0 is the text channel; a row whose text id is
-``end_id`` ends the sequence. Radix keys: prompt rows are keyed on the host (blake2b, 63 bits),
-generated rows inside the step (``row_radix_keys``, Horner), so the UHRC serves rows like tokens.
+``end_id`` ends the sequence. Radix keys: one op (``graphs.ops.row_keys``) keys prompt rows on
+the host and generated rows inside the step, so the UHRC serves rows like tokens.
 
 Config (``config.json``): the Llama fields plus ``architectures: ["HyloopRowLM"]``,
 ``channel_vocab_sizes: [V0, V1, ...]`` (one per channel; ``vocab_size`` = V0) and ``end_id``.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 
 import numpy as np
@@ -12,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hyloop.graphs.ops import (
-    prompt_row_keys,
+    row_keys,
     row_radix_keys,
     row_radix_keys_raw,
     scatter_track_slots,
@@ -148,19 +147,56 @@ def test_bad_rows_are_rejected_with_the_input_named() -> None:
         row_radix_keys(torch.zeros(2, 3, dtype=torch.int64), END_ID, 0)
 
 
-def test_prompt_row_keys_are_63_bit_blake2b_of_int64_bytes() -> None:
-    rows = [[1, 2, 3], [-1, I64_MAX, I64_MIN], [151669, 0, 1023]]
-    expected = []
-    for row in rows:
-        data = b"".join(v.to_bytes(8, "little", signed=True) for v in row)
-        digest = hashlib.blake2b(data, digest_size=8).digest()
-        expected.append(int.from_bytes(digest, "little") & (2**63 - 1))
-    assert prompt_row_keys(torch.tensor(rows)) == expected
-    # Same keys whatever the integer dtype the rows arrive in.
-    small = [[1, 2, 3], [151669, 0, 1023]]
-    assert prompt_row_keys(torch.tensor(small, dtype=torch.int32)) == [expected[0], expected[2]]
-    assert prompt_row_keys(np.array(small, dtype=np.uint32)) == [expected[0], expected[2]]
-    assert all(0 <= k < 2**63 for k in expected)
+def ref_row_key(row: list[int], end_id: int) -> int:
+    """The engine's row key with Python bignums: two Horner hashes packed above 2**62."""
+    if row[0] == end_id:
+        return end_id
+    h = []
+    for mod, base in ((2**31 - 1, 1_000_000_007), (2**31 - 19, 998_244_353)):
+        acc = 0
+        for value in row:
+            acc = (acc * base + value % mod) % mod
+        h.append(acc)
+    return 2**62 + (h[0] << 31) + h[1]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.lists(st.integers(I64_MIN, I64_MAX), min_size=4, max_size=4), min_size=1, max_size=8
+    )
+)
+def test_row_keys_match_a_bignum_reference(rows: list[list[int]]) -> None:
+    got = row_keys(torch.tensor(rows, dtype=torch.int64), END_ID).tolist()
+    assert got == [ref_row_key(r, END_ID) for r in rows]
+
+
+def test_row_keys_keep_the_end_id_and_stay_apart_from_it() -> None:
+    rows = torch.tensor([[END_ID, 1024, 1024], [151656, 3, 4], [END_ID, 0, 0], [0, 0, 0]])
+    keys = row_keys(rows, END_ID).tolist()
+    assert keys[0] == keys[2] == END_ID
+    assert all(2**62 <= k < 2**63 for k in (keys[1], keys[3]))  # never a real end id
+    # The same rows in int32 give the same keys (prompt rows arrive in any int dtype).
+    assert row_keys(rows.to(torch.int32), END_ID).tolist() == keys
+    with pytest.raises(ValueError, match="end_id"):
+        row_keys(rows, -1)
+
+
+def test_row_keys_are_wider_than_the_folded_key() -> None:
+    """Rows the 151643-fold maps to one key get distinct engine keys."""
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, 1024, (20000, 13), generator=g)
+    folded = row_radix_keys(rows, END_ID)
+    wide = row_keys(rows, END_ID)
+    assert len(set(folded.tolist())) < len(rows)  # the fold collides at this size
+    assert len(set(wide.tolist())) == len(rows)
+
+
+def test_row_keys_capture_safe_and_compiled() -> None:
+    rows = torch.tensor([[151656, 5, 1023], [END_ID, 1024, 1024]])
+    check_capture_safe(row_keys, rows, END_ID)
+    compiled = torch.compile(row_keys, fullgraph=True, dynamic=False)
+    assert torch.equal(compiled(rows, END_ID), row_keys(rows, END_ID))
 
 
 def ref_scatter(buf: torch.Tensor, src: list[int], track: list[int]) -> torch.Tensor:
