@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import platform
 import sys
 import time
 from pathlib import Path
@@ -86,6 +87,17 @@ def test_helpers() -> Any:
 
     torch.set_num_threads(threads)
     return conftest
+
+
+def cpu_name() -> str:
+    """The CPU's model name (speed figures differ by CPU: every table names it)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def parse_batches(parser: argparse.ArgumentParser, text: str) -> list[int]:

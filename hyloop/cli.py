@@ -1,4 +1,5 @@
-"""The ``hyloop`` command: ``generate`` (offline batch generation) and ``regress``."""
+"""The ``hyloop`` command: ``generate`` (offline batch generation), ``tts`` (TTS frames) and
+``regress`` (graph-vs-eager)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,13 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--output", help="output JSONL (default: print texts)")
     gen.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     gen.add_argument("overrides", nargs="*", help="config overrides, key=value")
+    tts = sub.add_parser("tts", help="TTS frames (JSONL of prompt rows in, frames as .npy out)")
+    tts.add_argument("--config", action="append", default=[], help="YAML config (repeatable)")
+    tts.add_argument("--model", help="TTS checkpoint directory (model_type moss_tts_local)")
+    tts.add_argument("--input", help="requests JSONL: {rows | rows_npy, max_frames, params...}")
+    tts.add_argument("--output", help="output JSONL (frames .npy files beside it)")
+    tts.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    tts.add_argument("overrides", nargs="*", help="config overrides, key=value")
     reg = sub.add_parser("regress", help="graph-vs-eager regression recipe")
     reg.add_argument("--config", action="append", default=[], help="YAML config (repeatable)")
     reg.add_argument("--model", help="checkpoint (default: the recipe's)")
@@ -38,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
             from hyloop.recipes.offline import run_generate
 
             return run_generate(args)
+        if args.command == "tts":
+            from hyloop.recipes.tts import run_tts
+
+            return run_tts(args)
         from hyloop.recipes.graph_vs_eager import run_regress
 
         return run_regress(args)

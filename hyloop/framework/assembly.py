@@ -11,6 +11,7 @@ from torch import nn
 
 from hyloop.cache import NoReuseCache, PrefixCache, UnifiedRadixCache
 from hyloop.framework.config import EngineConfig
+from hyloop.framework.frame_step import FrameRunner
 from hyloop.framework.model_runner import ModelRunner
 from hyloop.models.layers.packed_linear import pack_linears, packing_available
 from hyloop.models.loader import LoadedModel, load_model
@@ -40,6 +41,7 @@ class EngineParts:
     max_context: int
     max_running: int
     row_channels: int  # channels of a multi-channel row model; 0: a token model
+    end_id: int  # the end row's channel-0 id (row models; -1 for token models)
     channel_vocab_sizes: list[int]  # per channel (row models only)
     weight_bytes: int
     derived: dict[str, Any]
@@ -103,9 +105,12 @@ def build_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
             )
     cache = build_cache(cfg, kv, recurrent)
     row_channels = int(model.num_channels) if getattr(model, "is_row_model", False) else 0
-    runner = ModelRunner(
-        model, kv, req_to_token, vocab_size, device, recurrent, cfg.graphs, row_channels
-    )
+    end_id = int(model.end_id) if row_channels else -1
+    eos_ids = list(loaded.eos_token_ids)
+    if row_channels and end_id not in eos_ids:
+        eos_ids.append(end_id)  # a row model's end row stops it
+    kind = FrameRunner if hasattr(model, "decode_frame") else ModelRunner
+    runner = kind(model, kv, req_to_token, vocab_size, device, recurrent, cfg.graphs, row_channels)
     derived = {
         "max_context": max_context,
         "kv_pages": num_pages,
@@ -113,6 +118,7 @@ def build_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         "kv_bytes": kv.nbytes(),
         "cache": type(cache).__name__,
         "backend": runner.backend,
+        "step": type(runner).__name__,
         "max_running": max_running,
         "row_channels": row_channels,
         "packed_linears": packed,
@@ -133,11 +139,12 @@ def build_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         recurrent_pool=recurrent,
         track_interval=track_interval,
         tokenizer=loaded.tokenizer,
-        eos_token_ids=loaded.eos_token_ids,
+        eos_token_ids=eos_ids,
         vocab_size=vocab_size,
         max_context=max_context,
         max_running=max_running,
         row_channels=row_channels,
+        end_id=end_id,
         channel_vocab_sizes=list(model.channel_vocab_sizes) if row_channels else [],
         weight_bytes=loaded.weight_bytes,
         derived=derived,

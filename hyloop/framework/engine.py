@@ -136,7 +136,12 @@ class Engine:
         parts, rows = self.parts, None
         if parts.row_channels:
             rows, ids = row_prompt(
-                request_id, prompt, params, parts.channel_vocab_sizes, self.max_context
+                request_id,
+                prompt,
+                params,
+                parts.channel_vocab_sizes,
+                self.max_context,
+                parts.end_id,
             )
         else:
             ids = self.validate_prompt(request_id, prompt)

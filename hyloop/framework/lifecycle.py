@@ -129,7 +129,7 @@ class RequestLifecycle:
                 self.finish(req, "stop")
             elif len(req.output_ids) >= req.max_new:
                 self.finish(req, "length")
-            elif req.params.output_kind == "cumulative":
+            elif req.params.output_kind != "final_only":
                 outs.append(self.output(req))
         return outs
 
@@ -146,20 +146,25 @@ class RequestLifecycle:
         del self._requests[req.request_id]
 
     def output(self, req: Request) -> RequestOutput:
+        """The request's output so far (``delta``: what is new since its last output). The
+        text, decoded once it finishes, is always the whole output's."""
         finished = req.status is Status.FINISHED
         text = None
         if self.tokenizer is not None and finished:
             text = self.tokenizer.decode(req.output_ids)
+        start = req.num_emitted if req.params.output_kind == "delta" else 0
+        req.num_emitted = len(req.output_ids)
+        rows, logprobs = req.output_rows, req.logprobs
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_ids,
-            token_ids=list(req.output_ids),
+            token_ids=req.output_ids[start:],
             text=text,
             finished=finished,
             finish_reason=req.finish_reason,
             num_cached_tokens=req.num_cached,
-            logprobs=list(req.logprobs) if req.logprobs is not None else None,
-            rows=[list(r) for r in req.output_rows] if req.output_rows is not None else None,
+            logprobs=logprobs[start:] if logprobs is not None else None,
+            rows=[list(r) for r in rows[start:]] if rows is not None else None,
         )
 
     # -- ledger ---------------------------------------------------------------------------------

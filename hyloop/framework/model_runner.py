@@ -2,8 +2,9 @@
 
 ``prepare(batch)`` builds a ``PreparedStep`` (captured decode inputs, or an eager context) and
 ``execute(prepared)`` runs it, through the bucket runner's captured artifacts where the step is
-a decode step and a graph backend is in use, eagerly otherwise. A frame step (TTS) is another
-step kind with the same three calls: the pipeline and its loops drive either.
+a decode step and a graph backend is in use, eagerly otherwise. A frame step (TTS,
+``frame_step.FrameRunner``) is another step function behind the same calls: the pipeline and
+its loops drive either.
 """
 
 from __future__ import annotations
@@ -112,10 +113,13 @@ class ModelRunner:
         return self.inputs.to_device(host)
 
     # -- the captured unit ----------------------------------------------------------------------
+    def step(self, ctx: StepContext, st: SamplingTensors, keep_logits: bool) -> StepOutput:
+        """The step function of this kind: one forward + sample (``run_step``)."""
+        return run_step(self.model, ctx, st, self.tok_hash, keep_logits)
+
     def graph_step(self, inputs: StepInputs) -> StepOutput:
         """The unit a backend captures: one decode step over static inputs."""
-        ctx = self.inputs.context(inputs)
-        return run_step(self.model, ctx, SamplingTensors.of(inputs), self.tok_hash, True)
+        return self.step(self.inputs.context(inputs), SamplingTensors.of(inputs), True)
 
     # -- prepare / execute ----------------------------------------------------------------------
     def prepare(self, batch: Batch) -> PreparedStep:
@@ -149,7 +153,7 @@ class ModelRunner:
         assert prepared.context is not None
         if on_staged is not None:
             on_staged()
-        return run_step(self.model, prepared.context, prepared.sampling, self.tok_hash, keep_logits)
+        return self.step(prepared.context, prepared.sampling, keep_logits)
 
     # -- report ---------------------------------------------------------------------------------
     def graph_stats(self) -> dict[str, int]:

@@ -50,6 +50,7 @@ class Request:
     num_computed: int = 0  # positions whose KV is written
     num_sampled: int = 0  # tokens launched for sampling (ahead of output_ids under lookahead)
     num_cached: int = 0  # prompt tokens served from the cache
+    num_emitted: int = 0  # output tokens handed out so far (``delta`` outputs start here)
     lock: Any = None  # cache lock receipt
     state_slot: int = 0  # recurrent working slot (hybrid models)
     # Multi-channel models: prompt rows [L, C]; prompt_ids / output_ids then hold row keys.

@@ -39,34 +39,41 @@ def default_checkpoint() -> Path:
     return files[0]
 
 
-def read_jsonl(path: str) -> list[tuple[int, dict[str, Any]]]:
-    """``(line number, row)`` pairs; structural errors name the line."""
-    rows = []
+def read_json_lines(path: str) -> list[tuple[int, Any]]:
+    """``(line number, value)`` of each non-blank line; invalid JSON names the line."""
+    values = []
     with open(path) as fh:
         for n, line in enumerate(fh, 1):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                values.append((n, json.loads(line)))
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n}: invalid JSON ({e})") from e
-            given = [f for f in PROMPT_FIELDS if f in row] if isinstance(row, dict) else []
-            if "messages" in given and len(given) > 1:
-                raise ValueError(
-                    f"{path}:{n}: `messages` and `{given[0]}` both given; a row is either a chat "
-                    "(`messages`) or a prompt (`prompt` or `prompt_token_ids`)"
-                )
-            if len(given) != 1:
-                raise ValueError(
-                    f"{path}:{n}: expected an object with one of `prompt`, `prompt_token_ids` "
-                    "or `messages`"
-                )
-            unknown = set(row) - SAMPLING_FIELDS - {*PROMPT_FIELDS, "id"}
-            if unknown:
-                raise ValueError(f"{path}:{n}: unknown fields {sorted(unknown)}")
-            if "messages" in row:
-                check_messages(f"{path}:{n}", row["messages"])
-            rows.append((n, row))
+    return values
+
+
+def read_jsonl(path: str) -> list[tuple[int, dict[str, Any]]]:
+    """``(line number, row)`` pairs; structural errors name the line."""
+    rows = []
+    for n, row in read_json_lines(path):
+        given = [f for f in PROMPT_FIELDS if f in row] if isinstance(row, dict) else []
+        if "messages" in given and len(given) > 1:
+            raise ValueError(
+                f"{path}:{n}: `messages` and `{given[0]}` both given; a row is either a chat "
+                "(`messages`) or a prompt (`prompt` or `prompt_token_ids`)"
+            )
+        if len(given) != 1:
+            raise ValueError(
+                f"{path}:{n}: expected an object with one of `prompt`, `prompt_token_ids` "
+                "or `messages`"
+            )
+        unknown = set(row) - SAMPLING_FIELDS - {*PROMPT_FIELDS, "id"}
+        if unknown:
+            raise ValueError(f"{path}:{n}: unknown fields {sorted(unknown)}")
+        if "messages" in row:
+            check_messages(f"{path}:{n}", row["messages"])
+        rows.append((n, row))
     return rows
 
 

@@ -42,6 +42,6 @@ def test_final_only_returns_the_same_finals_and_nothing_else(
 
 def test_output_kind_is_validated(tiny_ckpts: dict[str, Path]) -> None:
     with LLM(model=tiny_ckpts["llama"], overrides=["graphs.backend=eager"]) as llm:
-        bad = SamplingParams(output_kind="delta")  # type: ignore[arg-type]
+        bad = SamplingParams(output_kind="bogus")  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="output_kind"):
             llm.engine.add_request("x", [5, 6], bad)

@@ -1,0 +1,178 @@
+"""TTS frames: frames/s through ``TTSEngine.generate()``, eager vs compile, time to first chunk.
+
+A scaled-down MOSS-TTS-Local shape (random weights, built in a temp dir): a Qwen3 backbone of
+hidden 512 x 8 layers, 12 codebooks x 1024 codes, 1 local layer. Per backend and batch: a warm-up
+wave captures the bucket, then a timed wave of ``--frames`` frames per request (stop ignored,
+default sampling: audio temperature 1.7, top-k 25, top-p 0.8). frames/s counts every frame of
+the wave over its wall time (prefill included); ``decode fps`` is the engine's decode counters.
+The real-time factor is wall time over audio time for one stream of a 12.5 Hz codec at that
+batch (below 1: faster than real time). Time to first chunk: from ``add_request`` to the first
+chunk of a probe request (``initial_chunk_frames`` 1 and 5), alone and while 16 other requests
+stream.
+
+    python bench/tts_frames.py --json PATH [--quick] [--batches 1,8,32] [--frames 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from common import cpu_name, parse_batches, test_helpers, write_json  # noqa: E402
+
+from hyloop.tts import TTSEngine, TTSParams  # noqa: E402
+
+CODEC_HZ = 12.5
+PROMPT_ROWS = 32
+
+
+def build_checkpoint(root: Path) -> Path:
+    helpers = test_helpers()
+    cfg = helpers.tiny_moss_local_config(n_vq=12, audio_vocab=1024, local_layers=1)
+    lang = dict(
+        cfg["language_config"],
+        vocab_size=4096,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        initializer_range=0.02,
+    )
+    cfg.update(language_config=lang, hidden_size=512)
+    cfg["gpt2_config"] = dict(cfg["gpt2_config"], n_head=8, n_inner=1536)
+    tensors = helpers.moss_local_tensors(cfg, seed=0)
+    return helpers.write_moss_local_checkpoint(root / "moss-local-512x8", cfg, tensors)
+
+
+def prompts(batch: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(batch):
+        rows = rng.integers(0, 1024, (PROMPT_ROWS, 13))
+        rows[:, 0] = 250  # the audio slot id: a voice reference
+        out.append(rows)
+    return out
+
+
+def time_wave(tts: TTSEngine, batch: int, frames: int, seed: int) -> dict[str, float]:
+    params = TTSParams(max_frames=frames, ignore_stop=True, seed=seed)
+    warm = TTSParams(max_frames=4, ignore_stop=True, seed=seed)
+    tts.generate(prompts(batch, seed), warm, use_tqdm=False)  # captures the bucket
+    gc.collect()
+    s0 = dict(tts.stats())
+    t0 = time.perf_counter()
+    outs = tts.generate(prompts(batch, seed + 1), params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    s1 = tts.stats()
+    assert all(len(o.rows) == frames for o in outs)
+    decode = (s1["decode_tokens"] - s0["decode_tokens"]) / (s1["decode_time"] - s0["decode_time"])
+    fps = batch * frames / wall
+    # One stream gets fps / batch frames a second and needs CODEC_HZ for real time.
+    return {"fps": fps, "decode_fps": decode, "rtf": CODEC_HZ * batch / fps}
+
+
+def first_chunk(tts: TTSEngine, initial: int, load: int, seed: int) -> float:
+    """Seconds from ``add_request`` to the probe's first chunk, with ``load`` others running."""
+    ids = [
+        tts.add_request(rows, TTSParams(max_frames=10_000, ignore_stop=True, seed=i))
+        for i, rows in enumerate(prompts(load, seed))
+    ]
+    chunks = tts.stream()
+    if load:  # let the load reach steady decoding
+        for _ in range(3 * load):
+            next(chunks, None)
+    params = TTSParams(max_frames=64, ignore_stop=True, seed=seed, initial_chunk_frames=initial)
+    t0 = time.perf_counter()
+    rid = tts.add_request(prompts(1, seed + 99)[0], params)
+    waited = None
+    for chunk in chunks:
+        if chunk.request_id == rid and waited is None:
+            waited = time.perf_counter() - t0
+            for other in [*ids, rid]:
+                tts.abort(other)
+    assert waited is not None
+    return waited
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(os.cpu_count() or 1)
+    cpu = cpu_name()
+    print(f"CPU: {cpu} ({torch.get_num_threads()} threads)")
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = build_checkpoint(Path(tmp))
+        for backend in ("eager", "compile"):
+            overrides = [
+                f"graphs.backend={backend}",
+                f"graphs.buckets=[{','.join(map(str, args.batches))}]",
+                f"scheduler.max_running_requests={max(max(args.batches), 17)}",
+                "kv_pool.page_size=16",
+                "model.max_context=1024",
+                "lookahead.enable=false",
+            ]
+            with TTSEngine(ckpt, overrides=overrides) as tts:
+                for batch in args.batches:
+                    r = time_wave(tts, batch, args.frames, seed=batch)
+                    rows.append({"backend": backend, "batch": batch, **r})
+                    print_row(rows[-1])
+                if not args.quick:
+                    for load in (0, 16):
+                        for initial in (1, 5):
+                            s = first_chunk(tts, initial, load, seed=7)
+                            rows.append(
+                                {
+                                    "backend": backend,
+                                    "ttfc_load": load,
+                                    "initial": initial,
+                                    "ttfc_s": s,
+                                }  # fmt: skip
+                            )
+                            print(f"{backend:>8} first chunk of {initial} frame(s), load {load}: "
+                                  f"{s * 1e3:.0f} ms")  # fmt: skip
+    ratio = {}
+    for b in args.batches:
+        e = next(r for r in rows if r.get("batch") == b and r["backend"] == "eager")
+        c = next(r for r in rows if r.get("batch") == b and r["backend"] == "compile")
+        ratio[b] = c["fps"] / e["fps"]
+    print("\n    batch  eager fps  compile fps  ratio  rtf eager  rtf compile")
+    for b in args.batches:
+        e = next(r for r in rows if r.get("batch") == b and r["backend"] == "eager")
+        c = next(r for r in rows if r.get("batch") == b and r["backend"] == "compile")
+        print(f"{b:>9} {e['fps']:>10.1f} {c['fps']:>12.1f} {ratio[b]:>6.2f} "
+              f"{e['rtf']:>10.3f} {c['rtf']:>12.3f}")  # fmt: skip
+    return {"cpu": cpu, "threads": torch.get_num_threads(), "frames": args.frames, "rows": rows,
+            "compile_over_eager": ratio}  # fmt: skip
+
+
+def print_row(r: dict[str, Any]) -> None:
+    print(f"{r['backend']:>8} batch {r['batch']:>3}: {r['fps']:8.1f} frames/s "
+          f"(decode {r['decode_fps']:.1f}), rtf {r['rtf']:.3f}")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--quick", action="store_true", help="no first-chunk timings")
+    p.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
+    p.add_argument("--frames", type=int, default=48, help="frames per request")
+    args = p.parse_args(argv)
+    args.batches = parse_batches(p, args.batches)
+    write_json(bench(args), args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
