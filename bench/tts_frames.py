@@ -51,7 +51,7 @@ def build_checkpoint(root: Path) -> Path:
         head_dim=64,
         initializer_range=0.02,
     )
-    cfg.update(language_config=lang, hidden_size=512)
+    cfg.update(language_config=lang, hidden_size=512, vocab_size_list=[4096] + [1025] * 12)
     cfg["gpt2_config"] = dict(cfg["gpt2_config"], n_head=8, n_inner=1536)
     tensors = helpers.moss_local_tensors(cfg, seed=0)
     return helpers.write_moss_local_checkpoint(root / "moss-local-512x8", cfg, tensors)

@@ -144,15 +144,19 @@ class StepPipeline:
                 source = source.index_select(0, pending.source_rows)
             step.bind_input_ids(source, self.kind.row_shape)
         keep = self.requests.capture_logits
-        with self.recorder.executing(step.batch) as timing:
-            out = self.kind.execute(step, keep, on_staged)
-            timing.step_done()  # the device-time end mark: before the copy to the host
-            if blocking or out.next_ids.device.type != "cuda":
-                host_ids: torch.Tensor | list[int] = out.next_ids.tolist()
-                rows = out.next_rows.tolist() if out.next_rows is not None else None
-                return LaunchedStep(pending, out, host_ids, rows, None, timing)
+        rec = self.recorder
+        timing = rec.launched(step.batch)
+        out = self.kind.execute(step, keep, on_staged)
+        rec.queued(timing)  # the device-time end mark: before the copy to the host
+        if blocking or out.next_ids.device.type != "cuda":
+            host_ids: torch.Tensor | list[int] = out.next_ids.tolist()
+            rows = out.next_rows.tolist() if out.next_rows is not None else None
+            launched = LaunchedStep(pending, out, host_ids, rows, None, timing)
+        else:
             host, host_rows, event = _host_copy(out.next_ids, out.next_rows)
-        return LaunchedStep(pending, out, host, host_rows, event, timing)
+            launched = LaunchedStep(pending, out, host, host_rows, event, timing)
+        rec.returned(timing)
+        return launched
 
     def abandon(self, pending: Pending) -> None:
         """A prepared step that will never be resolved (its launch raised). Once the device

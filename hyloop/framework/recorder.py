@@ -10,9 +10,8 @@ thread), except ``hidden_host_s``, which only the overlap loop's resolve thread 
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,11 +21,12 @@ from hyloop.framework.device_clock import DeviceClock, StepMarks
 
 @dataclass
 class StepTiming:
-    """What the recorder measured of one launch."""
+    """What the recorder measured of one launch (``launched`` -> ``queued`` -> ``returned``)."""
 
+    t0: float
+    marks: StepMarks | None  # device events around the step (CUDA)
+    captured_before: float  # capture seconds when the launch began
     exec_s: float = 0.0  # host time inside the launch (on CUDA the launch only)
-    marks: StepMarks | None = None  # device events around the step (CUDA)
-    step_done: Callable[[], None] = lambda: None  # records the end mark (the step is queued)
 
 
 @dataclass
@@ -49,33 +49,27 @@ class StepRecorder:
     def __init__(self, clock: DeviceClock, capture_seconds: Callable[[], float]) -> None:
         self.clock = clock
         self.stats = StepStats()
-        self._capture_seconds = capture_seconds
+        self._cap = capture_seconds
         self._capture_seen = 0.0
 
     now = staticmethod(time.perf_counter)
 
-    @contextlib.contextmanager
-    def executing(self, batch: Batch) -> Iterator[StepTiming]:
-        """Time a launch: host time and, on CUDA, events around the step."""
-        t0 = time.perf_counter()
-        marks, captured = self.clock.begin(batch.is_decode), self._capture_seconds()
-        ended = False
+    def launched(self, batch: Batch) -> StepTiming:
+        """A launch begins: its host clock and, on CUDA, the event before the step."""
+        return StepTiming(time.perf_counter(), self.clock.begin(batch.is_decode), self._cap())
 
-        def step_done() -> None:
-            nonlocal ended
-            if not ended:
-                ended = True
-                self.clock.end(marks, captured=self._capture_seconds() > captured)
+    def queued(self, timing: StepTiming) -> None:
+        """The step is queued on the device: its end event (before any copy to the host)."""
+        self.clock.end(timing.marks, captured=self._cap() > timing.captured_before)
 
-        timing = StepTiming(marks=marks, step_done=step_done)
-        yield timing
-        step_done()  # the launch did not mark it (a kind that copies nothing out)
-        timing.exec_s = time.perf_counter() - t0
+    def returned(self, timing: StepTiming) -> None:
+        """The launch returned (on CPU: the step ran and its ids are on the host)."""
+        timing.exec_s = time.perf_counter() - timing.t0
 
     def account(self, batch: Batch, timing: StepTiming, since: float) -> None:
         """A step whose scheduling began at ``since`` and whose launch took ``timing``."""
         s = self.stats
-        captured = self._capture_seconds()
+        captured = self._cap()
         cap, self._capture_seen = captured - self._capture_seen, captured
         s.capture_time += cap
         wall, exec_time = time.perf_counter() - since - cap, timing.exec_s - cap
