@@ -22,7 +22,7 @@ from hyloop.framework.batch import Batch
 from hyloop.framework.model_runner import ModelRunner, PreparedStep
 from hyloop.framework.request import Request
 from hyloop.framework.sampling_params import FrameSamplingParams
-from hyloop.framework.step_fn import SamplingTensors, StepOutput
+from hyloop.framework.step_fn import SamplingTensors, StepOutput, forward_last
 from hyloop.graphs.context import StepContext
 from hyloop.graphs.ops import row_keys
 from hyloop.models.arch.moss_tts_local import FrameSampling
@@ -117,9 +117,7 @@ def run_frame_step(
     keep_logits: bool = False,
 ) -> StepOutput:
     """Backbone + frame decode + history + row key: one capture-safe step."""
-    hidden = model(ctx)
-    rows = torch.arange(hidden.shape[0], device=hidden.device)
-    last = hidden[rows, ctx.last_index]
+    last = forward_last(model, ctx)
     sampling = FrameSampling(**state.sampling(ctx.req_rows, st, st.filtered))
     out = model.decode_frame(last, sampling, tok_hash, keep_logits)
     state.record(ctx.req_rows, st.out_pos, out.codes)

@@ -61,6 +61,17 @@ class StepOutput:
         return self.next_rows if self.next_rows is not None else self.next_ids
 
 
+def forward_last(model: nn.Module, ctx: StepContext) -> torch.Tensor:
+    """The model's hidden state at each row's last position ``[B, H]``; recurrent layers
+    publish their state into the rows' track slots (rows without a boundary write slot 0)."""
+    hidden = model(ctx)
+    if ctx.recurrent is not None:
+        for buf in (*ctx.recurrent.temporal, *ctx.recurrent.conv):
+            scatter_track_slots(buf, ctx.state_slots, ctx.track_slots)
+    rows = torch.arange(hidden.shape[0], device=hidden.device)
+    return hidden[rows, ctx.last_index]
+
+
 def run_step(
     model: nn.Module,
     ctx: StepContext,
@@ -69,13 +80,7 @@ def run_step(
     keep_logits: bool = False,
 ) -> StepOutput:
     """One forward + sample. Shapes are fixed by ``ctx`` and ``st``: capture-safe."""
-    hidden = model(ctx)
-    if ctx.recurrent is not None:
-        # Publish each row's state into its track slot (rows without a boundary write slot 0).
-        for buf in (*ctx.recurrent.temporal, *ctx.recurrent.conv):
-            scatter_track_slots(buf, ctx.state_slots, ctx.track_slots)
-    rows = torch.arange(hidden.shape[0], device=hidden.device)
-    last = hidden[rows, ctx.last_index]
+    last = forward_last(model, ctx)
     logits = model.compute_logits(last)
     kept = logits if keep_logits else None
     if logits.dim() == 3:  # multi-channel rows: sample every channel, key the row
