@@ -90,3 +90,30 @@ def _load_gguf(p: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel
         chat_template=ckpt.chat_template,
     )
     return LoadedModel(model, ckpt.config, tok, list(ckpt.eos_token_ids), str(p))
+
+
+def load_tokenizer(path: str | Path) -> TextTokenizer | None:
+    """The checkpoint's tokenizer alone, as ``load_model`` attaches it, without reading any
+    weight (None when the checkpoint ships none)."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"checkpoint not found: {path} (hyloop never downloads)")
+    if p.is_dir():
+        return load_hf_tokenizer(p)
+    from hyloop.models.loaders.gguf import read_gguf_file_metadata
+    from hyloop.models.loaders.gguf_tokenizer import (
+        add_bos_token,
+        build_gguf_tokenizer,
+        has_tokenizer,
+    )
+
+    meta = read_gguf_file_metadata(p)
+    if not has_tokenizer(meta):
+        return None
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    return TextTokenizer(
+        build_gguf_tokenizer(meta),
+        add_bos=add_bos_token(meta),
+        bos_id=None if bos is None else int(bos),
+        chat_template=meta.get("tokenizer.chat_template"),
+    )

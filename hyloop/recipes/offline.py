@@ -115,6 +115,23 @@ def chat_prompt(where: str, messages: list[dict[str, str]], tok: TextTokenizer |
         raise ValueError(f"{where}: messages: the chat template rejected them: {e}") from e
 
 
+def row_prompt(where: str, row: dict[str, Any], tok: TextTokenizer | None) -> str | list[int]:
+    """The prompt a row gives (a chat rendered with the model's template), unchecked against
+    the engine; a field of the wrong type raises naming ``where``."""
+    # Check the field the row used: a string in prompt_token_ids is no text prompt.
+    if "messages" in row:
+        return chat_prompt(where, row["messages"], tok)
+    if "prompt" in row:
+        prompt = row["prompt"]
+        if not isinstance(prompt, str | list):
+            raise ValueError(f"{where}: prompt: got {prompt!r}; expected a string")
+        return prompt
+    prompt = row.get("prompt_token_ids")
+    if not isinstance(prompt, list):
+        raise ValueError(f"{where}: prompt_token_ids: got {prompt!r}; expected a list of ints")
+    return prompt
+
+
 def row_params(where: str, row: dict[str, Any], defaults: SamplingParams) -> SamplingParams:
     fields = {k: getattr(defaults, k) for k in SAMPLING_FIELDS}
     fields.update({k: v for k, v in row.items() if k in SAMPLING_FIELDS})
@@ -133,19 +150,7 @@ def run_generate(args: argparse.Namespace) -> int:
             prompts, params = [], []
             for n, r in numbered:
                 where = f"{args.input}:{n}"
-                # Check the field the row used: a string in prompt_token_ids is no text prompt.
-                if "messages" in r:
-                    prompt = chat_prompt(where, r["messages"], llm.tokenizer)
-                elif "prompt" in r:
-                    prompt = r["prompt"]
-                    if not isinstance(prompt, str | list):
-                        raise ValueError(f"{where}: prompt: got {prompt!r}; expected a string")
-                else:
-                    prompt = r["prompt_token_ids"]
-                    if not isinstance(prompt, list):
-                        raise ValueError(
-                            f"{where}: prompt_token_ids: got {prompt!r}; expected a list of ints"
-                        )
+                prompt = row_prompt(where, r, llm.tokenizer)
                 llm.engine.validate_prompt(where, prompt)
                 prompts.append(prompt)
                 params.append(row_params(where, r, defaults))

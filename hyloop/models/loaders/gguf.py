@@ -93,6 +93,11 @@ def _open(path: str | os.PathLike[str]) -> GGUFReader:
         ) from exc
 
 
+def read_gguf_file_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The metadata of a GGUF file, no tensor read (a tokenizer needs nothing more)."""
+    return read_gguf_metadata(_open(path))
+
+
 def read_gguf_metadata(reader: GGUFReader) -> dict[str, Any]:
     """Every key-value field of the file as plain Python values."""
     return {
