@@ -19,6 +19,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     gen.add_argument("--output", help="output JSONL (default: print texts)")
     gen.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    gen.add_argument(
+        "--ray",
+        type=int,
+        metavar="N",
+        help="run N engine replicas through Ray Data (local Ray unless ray.address=...)",
+    )
     gen.add_argument("overrides", nargs="*", help="config overrides, key=value")
     tts = sub.add_parser("tts", help="TTS frames (JSONL of prompt rows in, frames as .npy out)")
     tts.add_argument("--config", action="append", default=[], help="YAML config (repeatable)")
@@ -42,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "no_progress", False):  # a bucket's first capture can take a while
         logging.getLogger("hyloop.graphs").setLevel(logging.INFO)
     try:
+        if args.command == "generate" and args.ray is not None:
+            from hyloop.recipes.ray_batch import run_generate_ray
+
+            return run_generate_ray(args)
         if args.command == "generate":
             from hyloop.recipes.offline import run_generate
 

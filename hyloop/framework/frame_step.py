@@ -21,7 +21,7 @@ from torch import nn
 from hyloop.framework.batch import Batch
 from hyloop.framework.model_runner import ModelRunner, PreparedStep
 from hyloop.framework.request import Request
-from hyloop.framework.sampling_params import FrameSamplingParams
+from hyloop.framework.sampling_params import FrameSamplingParams, SamplingParams
 from hyloop.framework.step_fn import SamplingTensors, StepOutput, forward_last
 from hyloop.graphs.context import StepContext
 from hyloop.graphs.ops import row_keys
@@ -74,9 +74,7 @@ class FrameState:
         self.codes[row] = -1
         self.frames[row] = -1
 
-    def sampling(
-        self, req_rows: torch.Tensor, st: SamplingTensors, filtered: bool
-    ) -> dict[str, Any]:
+    def sampling(self, req_rows: torch.Tensor, st: SamplingTensors) -> dict[str, Any]:
         """The ``FrameSampling`` fields of the step's rows (tensor ops: capture-safe)."""
         f, i = self.floats[req_rows], self.ints[req_rows]
         # A history entry counts while its frame is within the request's window.
@@ -95,8 +93,7 @@ class FrameState:
             history=history,
             seeds=st.seeds,
             frame_pos=st.out_pos,
-            text_filtered=filtered,
-            audio_filtered=filtered,
+            audio_top_cap=st.top_cap,
             greedy_only=st.greedy_only,
         )
 
@@ -118,7 +115,7 @@ def run_frame_step(
 ) -> StepOutput:
     """Backbone + frame decode + history + row key: one capture-safe step."""
     last = forward_last(model, ctx)
-    sampling = FrameSampling(**state.sampling(ctx.req_rows, st, st.filtered))
+    sampling = FrameSampling(**state.sampling(ctx.req_rows, st))
     out = model.decode_frame(last, sampling, tok_hash, keep_logits)
     state.record(ctx.req_rows, st.out_pos, out.codes)
     # A request that ignores the stop head continues with the codes sampled for the frame.
@@ -133,6 +130,18 @@ def run_frame_step(
     return StepOutput(row_keys(frames, model.end_id), logits, next_rows=frames)
 
 
+def audio_group(params: SamplingParams) -> tuple[float, int, float]:
+    """The frame's audio codes size the sampler (``sampler.candidate_cap``); its two-way stop
+    head samples over both candidates whatever the row asks."""
+    f = params.frame or _DEFAULTS
+    return (f.audio_temperature, f.audio_top_k, f.audio_top_p)
+
+
+def samples_frame(params: SamplingParams) -> bool:
+    f = params.frame or _DEFAULTS
+    return f.text_temperature > 0 or f.audio_temperature > 0
+
+
 class FrameRunner(ModelRunner):
     """A ``ModelRunner`` whose step decodes a frame (the model has ``decode_frame``)."""
 
@@ -140,6 +149,8 @@ class FrameRunner(ModelRunner):
         super().__init__(model, *args, **kwargs)
         rows = self.inputs.req_to_token.max_requests + 1
         self.state = FrameState(rows, model.n_vq, model.audio_vocab_size, self.device)
+        self.inputs.filter_group = audio_group  # type: ignore[method-assign]
+        self.inputs.samples = samples_frame  # type: ignore[method-assign]
 
     def step(self, ctx: StepContext, st: SamplingTensors, keep_logits: bool) -> StepOutput:
         return run_frame_step(self.model, ctx, st, self.state, self.tok_hash, keep_logits)

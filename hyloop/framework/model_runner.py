@@ -130,7 +130,7 @@ class ModelRunner:
         inputs = self.inputs.decode(batch)
         if self.graph_runner is not None:
             return PreparedStep(batch, SamplingTensors.of(inputs), inputs=inputs)
-        greedy = InputBuilder.greedy_only(batch)
+        greedy = self.inputs.greedy_only(batch)
         sampling = SamplingTensors.of(inputs, greedy_only=greedy)
         return PreparedStep(batch, sampling, context=self.inputs.context(inputs))
 

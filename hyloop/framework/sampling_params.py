@@ -69,12 +69,6 @@ class SamplingParams:
         ):
             raise bad("stop_token_ids", self.stop_token_ids, "a list of ints")
 
-    @property
-    def needs_filter(self) -> bool:
-        if self.frame is not None:
-            return self.frame.needs_filter
-        return self.temperature > 0 and (self.top_k != -1 or self.top_p < 1.0)
-
 
 @dataclass(frozen=True)
 class FrameSamplingParams:
@@ -113,12 +107,6 @@ class FrameSamplingParams:
         window = self.repetition_window
         if not _integer(window) or window < 1:
             raise ValueError(f"{where}.repetition_window: got {window!r}; expected an int >= 1")
-
-    @property
-    def needs_filter(self) -> bool:
-        text = self.text_temperature > 0 and (self.text_top_k != -1 or self.text_top_p < 1.0)
-        audio = self.audio_temperature > 0 and (self.audio_top_k != -1 or self.audio_top_p < 1.0)
-        return text or audio
 
 
 def _number(value: object) -> bool:

@@ -27,7 +27,7 @@ class SamplingTensors:
     top_p: torch.Tensor  # [B] f32
     seeds: torch.Tensor  # [B] int64, 32-bit values
     out_pos: torch.Tensor  # [B] int64 index of the token being sampled in the output
-    filtered: bool  # static: some row restricts top-k / top-p
+    top_cap: int  # static: sampler candidates (``sampler.candidate_cap``)
     num_logprobs: int  # static: top-k logprobs to return (0 = none)
     greedy_only: bool = False  # static: every row is greedy (eager path only)
 
@@ -40,7 +40,7 @@ class SamplingTensors:
             inputs.top_p,
             inputs.seeds,
             inputs.out_pos,
-            inputs.filtered,
+            inputs.top_cap,
             inputs.num_logprobs,
             greedy_only,
         )
@@ -94,7 +94,7 @@ def run_step(
             st.seeds.repeat_interleave(c),
             st.out_pos.repeat_interleave(c) * c + channel,
             tok_hash,
-            st.filtered,
+            st.top_cap,
             st.greedy_only,
         ).view(b, c)
         return StepOutput(row_keys(next_rows, model.end_id), kept, next_rows=next_rows)
@@ -106,7 +106,7 @@ def run_step(
         st.seeds,
         st.out_pos,
         tok_hash,
-        st.filtered,
+        st.top_cap,
         st.greedy_only,
     )
     if st.num_logprobs == 0:

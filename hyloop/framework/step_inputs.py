@@ -10,8 +10,10 @@ from __future__ import annotations
 import torch
 
 from hyloop.framework.batch import Batch
+from hyloop.framework.sampling_params import SamplingParams
 from hyloop.framework.step_fn import SamplingTensors
 from hyloop.graphs.context import StepContext
+from hyloop.graphs.sampler import candidate_cap
 from hyloop.graphs.static_inputs import StepInputs
 from hyloop.pools import KVPool, RecurrentPool, ReqToTokenPool
 
@@ -33,6 +35,17 @@ class InputBuilder:
         self.device = device
         self.row_shape = row_shape  # (C,) for multi-channel rows, () for tokens
 
+    @staticmethod
+    def filter_group(params: SamplingParams) -> tuple[float, int, float]:
+        """``(temperature, top_k, top_p)`` of the distribution whose filters size the step's
+        sampler (``sampler.candidate_cap``); a step kind that samples another way overrides it."""
+        return (params.temperature, params.top_k, params.top_p)
+
+    @staticmethod
+    def samples(params: SamplingParams) -> bool:
+        """Whether the request draws from noise at all (else it is greedy)."""
+        return params.temperature > 0
+
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
         """A host tensor on the step's device. On CUDA the copy goes through pinned memory and
         is queued on the current stream, so preparing step N+2 never waits for step N+1.
@@ -51,7 +64,7 @@ class InputBuilder:
         host-to-device copies, not one per field; the new tokens' KV slots are then gathered
         from the req->token table on the device."""
         chunks = batch.chunks
-        floats, sampling_ints, filtered, nlp = self._sampling_rows(batch)
+        floats, sampling_ints, top_cap, nlp = self._sampling_rows(batch)
         pos = [c.start for c in chunks]
         ints = [
             pos,
@@ -89,7 +102,7 @@ class InputBuilder:
             seeds=packed[6],
             out_pos=packed[7],
             kv_len=max(pos) + 1,
-            filtered=filtered,
+            top_cap=top_cap,
             num_logprobs=nlp,
         )
 
@@ -139,20 +152,20 @@ class InputBuilder:
             track_slots=track,
             is_decode=False,
         )
-        (temps, topp), (topk, seeds, outpos), filtered, nlp = self._sampling_rows(batch)
+        (temps, topp), (topk, seeds, outpos), top_cap, nlp = self._sampling_rows(batch)
         f32 = h2d(torch.tensor([temps, topp], dtype=torch.float32))
         i64 = h2d(torch.tensor([topk, seeds, outpos], dtype=torch.int64))
         sampling = SamplingTensors(
-            f32[0], i64[0], f32[1], i64[1], i64[2], filtered, nlp, self.greedy_only(batch)
+            f32[0], i64[0], f32[1], i64[1], i64[2], top_cap, nlp, self.greedy_only(batch)
         )
         return ctx, sampling
 
     # -- sampling -------------------------------------------------------------------------------
-    def _sampling_rows(self, batch: Batch) -> tuple[list[list[float]], list[list[int]], bool, int]:
+    def _sampling_rows(self, batch: Batch) -> tuple[list[list[float]], list[list[int]], int, int]:
         """Per-row sampling values: ``[temperature, top_p]`` floats, ``[top_k, seed, out_pos]``
-        ints (one list per field), whether any row filters, and the logprobs to return."""
+        ints (one list per field), the sampler's candidate cap and the logprobs to return."""
         temps, topp, topk, seeds, outpos = [], [], [], [], []
-        filtered, nlp = False, 0
+        nlp = 0
         for c in batch.chunks:
             p = c.req.params
             temps.append(p.temperature)
@@ -160,11 +173,11 @@ class InputBuilder:
             topp.append(p.top_p)
             seeds.append(c.req.seed32)
             outpos.append(c.out_pos if c.out_pos >= 0 else len(c.req.output_ids))
-            filtered = filtered or p.needs_filter
             if p.logprobs is not None:
                 nlp = max(nlp, p.logprobs, 1)
-        return [temps, topp], [topk, seeds, outpos], filtered, min(nlp, self.vocab_size)
+        groups = (self.filter_group(c.req.params) for c in batch.chunks)
+        cap = candidate_cap(groups, self.vocab_size)
+        return [temps, topp], [topk, seeds, outpos], cap, min(nlp, self.vocab_size)
 
-    @staticmethod
-    def greedy_only(batch: Batch) -> bool:
-        return all(c.req.params.temperature == 0 for c in batch.chunks)
+    def greedy_only(self, batch: Batch) -> bool:
+        return not any(self.samples(c.req.params) for c in batch.chunks)

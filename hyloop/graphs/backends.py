@@ -90,7 +90,7 @@ class CompiledStep:
         self.tag = tag
         self.strict_stance = strict_stance
         self.recompiles = 0
-        name = f"hyloop_{tag}_b{key.batch}_kv{key.kv_len}_f{int(key.filtered)}_lp{key.num_logprobs}"
+        name = f"hyloop_{tag}_b{key.batch}_kv{key.kv_len}_k{key.top_cap}_lp{key.num_logprobs}"
         fn = _trampoline(step_fn, "".join(c if c.isalnum() else "_" for c in name))
         self._code = fn.__code__
         self._compiled = torch.compile(

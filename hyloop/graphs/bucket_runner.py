@@ -104,7 +104,7 @@ class BucketRunner:
     def capture(
         self,
         kv_lens: Iterable[int] | None = None,
-        modes: Iterable[tuple[bool, int]] = ((False, 0),),
+        modes: Iterable[tuple[int, int]] = ((0, 0),),
     ) -> list[ArtifactKey]:
         """Capture every batch bucket, largest first, for each ``kv_len`` bucket and mode.
 
@@ -115,8 +115,8 @@ class BucketRunner:
             return []
         kv_keys = self.kv_len_buckets if kv_lens is None else [self._kv_bucket(k) for k in kv_lens]
         keys = [
-            ArtifactKey(bs, kv, filtered, nlp)
-            for filtered, nlp in modes
+            ArtifactKey(bs, kv, cap, nlp)
+            for cap, nlp in modes
             for kv in sorted({k for k in kv_keys if k is not None}, reverse=True)
             for bs in reversed(self.buckets)
         ]
@@ -134,7 +134,7 @@ class BucketRunner:
         start = time.perf_counter()
         log.info("%s: capturing %s with %s (first use)", self.name, key.label(), self.backend)
         static = self.static.view(
-            key.batch, kv_len=key.kv_len, filtered=key.filtered, num_logprobs=key.num_logprobs
+            key.batch, kv_len=key.kv_len, top_cap=key.top_cap, num_logprobs=key.num_logprobs
         )
         # NOTE: warm-up and capture run on all-padding rows, which write only the padding sinks.
         static.fill_padding()
@@ -274,7 +274,7 @@ class BucketRunner:
         return sum(c.recompiles for c in self._compiled)
 
     def stats(self) -> dict[str, Any]:
-        """Counters for the run summary; ``captured`` lists (batch, kv_len, filtered, logprobs)."""
+        """Counters for the run summary; ``captured`` lists (batch, kv_len, top_cap, logprobs)."""
         return {
             "backend": self.backend,
             **self._counts,

@@ -21,11 +21,11 @@ class ArtifactKey:
 
     batch: int  # padded batch size (a batch bucket)
     kv_len: int  # req->token columns attention reads (a kv_len bucket)
-    filtered: bool = False  # some row restricts top-k / top-p
+    top_cap: int = 0  # sampler candidates (0: unfiltered; ``sampler.candidate_cap``)
     num_logprobs: int = 0  # top logprobs returned per row
 
     def label(self) -> str:
-        mode = f", filtered={self.filtered}, num_logprobs={self.num_logprobs}"
+        mode = f", top_cap={self.top_cap}, num_logprobs={self.num_logprobs}"
         return f"bucket(batch={self.batch}, kv_len={self.kv_len}{mode})"
 
 

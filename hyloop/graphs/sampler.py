@@ -11,6 +11,8 @@ bit-identical on CPU and GPU.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 _M32 = 0xFFFFFFFF
@@ -36,11 +38,32 @@ def token_hashes(vocab_size: int, device: torch.device | str) -> torch.Tensor:
 def gumbel_noise(
     seeds: torch.Tensor, out_pos: torch.Tensor, tok_hash: torch.Tensor
 ) -> torch.Tensor:
-    """Gumbel(0, 1) noise ``[B, V]`` from ``seeds [B]`` (32-bit), ``out_pos [B]`` and ``[V]``."""
+    """Gumbel(0, 1) noise ``[B, n]`` from ``seeds [B]`` (32-bit), ``out_pos [B]`` and the hashes
+    of the tokens it is for: ``[V]`` (every token) or ``[B, n]`` (each row's candidates). A
+    token's noise is the same either way: it depends only on (seed, position, token id)."""
     row = hash32(hash32(seeds) ^ (out_pos & _M32))
-    h = hash32(row[:, None] ^ tok_hash[None, :])
+    h = hash32(row[:, None] ^ (tok_hash[None, :] if tok_hash.dim() == 1 else tok_hash))
     u = ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))  # (0, 1), 24 bits
     return -torch.log(-torch.log(u))
+
+
+def candidate_cap(groups: Iterable[tuple[float, int, float]], vocab: int) -> int:
+    """The static candidate count of a batch's sampler from each row's ``(temperature, top_k,
+    top_p)`` (``top_k == -1``: off): 0 when no sampling row filters (plain Gumbel-max over the
+    vocabulary), else the next power of two covering every sampling row's top-k (few distinct
+    artifacts), or the whole vocabulary when some sampling row keeps more than a top-k (no top-k,
+    or top-p alone). Sampling over the capped candidates is exact: a row's top-k lies within
+    them and nothing outside its top-k can be drawn."""
+    widest, filtering = 0, False
+    for temperature, top_k, top_p in groups:
+        if temperature <= 0:
+            continue
+        k = vocab if top_k == -1 else min(top_k, vocab)
+        filtering = filtering or k < vocab or top_p < 1.0
+        widest = max(widest, k)
+    if not filtering:
+        return 0
+    return min(vocab, 1 << (widest - 1).bit_length())
 
 
 def sample(
@@ -51,33 +74,42 @@ def sample(
     seeds: torch.Tensor,
     out_pos: torch.Tensor,
     tok_hash: torch.Tensor,
-    filtered: bool,
+    top_cap: int,
     greedy_only: bool = False,
 ) -> torch.Tensor:
     """Next token ids ``[B]`` (int64) from fp32 ``logits [B, V]``.
 
     ``top_k`` is the number of tokens kept (``V`` to disable), ``top_p`` the nucleus mass (1.0 to
-    disable). ``filtered`` is static per captured artifact: False skips the sort when no row in
-    the batch restricts top-k / top-p. ``greedy_only`` (static) skips the noise when every row
-    is greedy; the result is the same argmax either way.
+    disable). ``top_cap`` is static per captured artifact (``candidate_cap``): 0 samples the
+    whole vocabulary unfiltered; otherwise each row samples among its ``top_cap`` largest logits
+    (a ``topk``, or a full sort when the cap is the vocabulary), which hold its top-k.
+    ``greedy_only`` (static) skips the noise when every row is greedy; the result is the same
+    argmax either way.
     """
     greedy = logits.argmax(dim=-1)
     if greedy_only:
         return greedy
     temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     scaled = logits / temp[:, None]
-    noise = gumbel_noise(seeds, out_pos, tok_hash)
-    if filtered:
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)
-        rank = torch.arange(logits.shape[-1], device=logits.device)
-        in_top_k = rank[None, :] < top_k[:, None]
-        # Top-k first, then the nucleus over the renormalised top-k (as HF / vLLM do).
-        probs = torch.where(in_top_k, sorted_logits, -torch.inf).softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        keep = in_top_k & (mass_before < top_p[:, None])
-        keep[:, 0] = True
-        perturbed = torch.where(keep, sorted_logits + noise.gather(1, order), -torch.inf)
-        sampled = order.gather(1, perturbed.argmax(dim=-1, keepdim=True)).squeeze(1)
+    vocab = logits.shape[-1]
+    if top_cap == 0:
+        sampled = (scaled + gumbel_noise(seeds, out_pos, tok_hash[:vocab])).argmax(dim=-1)
+        return torch.where(temperature > 0, sampled, greedy)
+    cap = min(top_cap, vocab)
+    if cap < vocab:
+        top, order = scaled.topk(cap, dim=-1)
     else:
-        sampled = (scaled + noise).argmax(dim=-1)
+        top, order = scaled.sort(dim=-1, descending=True)
+    rank = torch.arange(cap, device=logits.device)
+    in_top_k = rank[None, :] < top_k[:, None]
+    # Top-k first, then the nucleus over the renormalised top-k (as HF / vLLM do). The mass is
+    # a running sum over the row's own candidates, so it does not depend on the cap.
+    weight = torch.where(in_top_k, (top - top[:, :1]).exp(), 0.0)
+    mass = weight.cumsum(dim=-1)
+    total = mass.gather(1, (top_k.clamp(1, cap) - 1)[:, None])
+    keep = in_top_k & ((mass - weight < top_p[:, None] * total) | (top_p[:, None] >= 1.0))
+    keep[:, 0] = True
+    noise = gumbel_noise(seeds, out_pos, tok_hash[order])
+    perturbed = torch.where(keep, top + noise, -torch.inf)
+    sampled = order.gather(1, perturbed.argmax(dim=-1, keepdim=True)).squeeze(1)
     return torch.where(temperature > 0, sampled, greedy)

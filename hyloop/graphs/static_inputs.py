@@ -49,8 +49,9 @@ class StepInputs:
 
     ``input_ids`` is ``[B, 1]`` (token models) or ``[B, 1, C]`` (multi-channel rows);
     ``positions`` and ``out_cache_loc`` are ``[B, 1]``; every other tensor is ``[B]``. ``kv_len``
-    (table columns attention reads, ``>= max(prefix_lens + extend_lens)``), ``filtered`` (some
-    row restricts top-k / top-p) and ``num_logprobs`` are static per captured artifact.
+    (table columns attention reads, ``>= max(prefix_lens + extend_lens)``), ``top_cap`` (the
+    sampler's candidate count, ``sampler.candidate_cap``) and ``num_logprobs`` are static per
+    captured artifact.
     """
 
     input_ids: torch.Tensor
@@ -67,7 +68,7 @@ class StepInputs:
     seeds: torch.Tensor
     out_pos: torch.Tensor
     kv_len: int
-    filtered: bool = False
+    top_cap: int = 0
     num_logprobs: int = 0
 
     @property
@@ -75,9 +76,9 @@ class StepInputs:
         return self.input_ids.shape[0]
 
     @property
-    def mode(self) -> tuple[bool, int]:
+    def mode(self) -> tuple[int, int]:
         """The sampling mode flags that select a captured artifact besides the two sizes."""
-        return (self.filtered, self.num_logprobs)
+        return (self.top_cap, self.num_logprobs)
 
     def validate(self) -> None:
         """Check shapes, dtypes and static values; reads no tensor value (no host sync)."""
@@ -106,8 +107,10 @@ class StepInputs:
                 )
         if isinstance(self.kv_len, bool) or not isinstance(self.kv_len, int) or self.kv_len < 1:
             raise ValueError(f"StepInputs.kv_len: {self.kv_len!r}, expected an int >= 1")
-        if not isinstance(self.filtered, bool):
-            raise TypeError(f"StepInputs.filtered: {self.filtered!r}, expected a bool")
+        if isinstance(self.top_cap, bool) or not isinstance(self.top_cap, int):
+            raise TypeError(f"StepInputs.top_cap: {self.top_cap!r}, expected an int")
+        if self.top_cap < 0:
+            raise ValueError(f"StepInputs.top_cap: {self.top_cap}, expected >= 0")
         if isinstance(self.num_logprobs, bool) or not isinstance(self.num_logprobs, int):
             raise TypeError(f"StepInputs.num_logprobs: {self.num_logprobs!r}, expected an int")
         if self.num_logprobs < 0:
@@ -180,7 +183,7 @@ class StaticInputs(StepInputs):
         bs: int,
         *,
         kv_len: int | None = None,
-        filtered: bool | None = None,
+        top_cap: int | None = None,
         num_logprobs: int | None = None,
     ) -> StaticInputs:
         """The first ``bs`` rows, sharing storage; the static values default to this view's."""
@@ -191,7 +194,7 @@ class StaticInputs(StepInputs):
             self,
             **sliced,
             kv_len=self.kv_len if kv_len is None else kv_len,
-            filtered=self.filtered if filtered is None else filtered,
+            top_cap=self.top_cap if top_cap is None else top_cap,
             num_logprobs=self.num_logprobs if num_logprobs is None else num_logprobs,
         )
 
@@ -210,7 +213,7 @@ class StaticInputs(StepInputs):
             )
         if inputs.mode != self.mode:
             raise ValueError(
-                f"StaticInputs.copy_from: sampling mode (filtered, num_logprobs) {inputs.mode}, "
+                f"StaticInputs.copy_from: sampling mode (top_cap, num_logprobs) {inputs.mode}, "
                 f"expected {self.mode}"
             )
         for name in ROW_FIELDS:

@@ -137,8 +137,7 @@ class FrameSampling:
     history: torch.Tensor  # [B, W, n_vq] int64 codes of the last W frames, -1 = empty
     seeds: torch.Tensor  # int64, 32-bit values
     frame_pos: torch.Tensor  # int64 frame index of the row being sampled
-    text_filtered: bool  # some row restricts top-k / top-p of the stop head
-    audio_filtered: bool  # some row restricts top-k / top-p of the codes
+    audio_top_cap: int  # the code samplers' candidates (``sampler.candidate_cap``)
     greedy_only: bool = False  # every row is greedy in both groups
 
 
@@ -249,7 +248,7 @@ class MossTTSLocalLM(nn.Module):
             s.seeds,
             base,
             tok_hash[:2],
-            s.text_filtered,
+            2,  # both candidates: exact for every row's top-k / top-p
             s.greedy_only,
         )
         seen = _history_presence(s.history, n_vq, v)  # [B, n_vq, V]
@@ -270,7 +269,7 @@ class MossTTSLocalLM(nn.Module):
                 s.seeds,
                 base + (c + 1),
                 tok_hash[:v],
-                s.audio_filtered,
+                s.audio_top_cap,
                 s.greedy_only,
             )
             codes.append(code)

@@ -72,7 +72,7 @@ def make_toy_step(pools: ToyPools, scale: float = 1.0) -> Callable[[StepInputs],
         st = inputs
         next_ids = sample(
             logits, st.temperature, st.top_k, st.top_p, st.seeds, st.out_pos, pools.tok_hash,
-            st.filtered,
+            st.top_cap,
         )  # fmt: skip
         return ToyOut(next_ids, logits)
 
@@ -100,12 +100,12 @@ def make_inputs(
         state_slots=torch.zeros(n, **i64),
         track_slots=torch.zeros(n, **i64),
         temperature=temperature.float(),
-        top_k=torch.full((n,), 5 if filtered else VOCAB, **i64),
+        top_k=torch.full((n,), 5 if filtered else VOCAB, **i64),  # capped at 8
         top_p=torch.full((n,), 0.9 if filtered else 1.0),
         seeds=torch.randint(0, 2**32, (n,), generator=g),
         out_pos=torch.randint(0, 100, (n,), generator=g),
         kv_len=kv_len,
-        filtered=filtered,
+        top_cap=8 if filtered else 0,
     )
     moved = {f: getattr(t, f).to(device) for f in ROW_FIELDS}
     return dataclasses.replace(t, **moved)
@@ -163,7 +163,7 @@ def test_static_inputs_refuse_what_the_view_was_not_built_for() -> None:
         view.copy_from(make_inputs(3, 8, seed=1))
     with pytest.raises(ValueError, match="kv_len 9, expected <= 8"):
         view.copy_from(make_inputs(2, 9, seed=1))
-    with pytest.raises(ValueError, match=r"sampling mode .* \(True, 0\), expected \(False, 0\)"):
+    with pytest.raises(ValueError, match=r"sampling mode .* \(8, 0\), expected \(0, 0\)"):
         view.copy_from(make_inputs(2, 8, seed=1, filtered=True))
 
 
@@ -227,7 +227,7 @@ def test_sampling_mode_selects_its_own_artifact(
 ) -> None:
     inputs = make_inputs(3, 6, seed=7, filtered=True)
     assert_same(compiled.run(inputs), eager.run(inputs))
-    assert (4, 8, True, 0) in compiled.stats()["captured"]
+    assert (4, 8, 8, 0) in compiled.stats()["captured"]
 
 
 def test_kv_len_beyond_the_largest_bucket_runs_eager(

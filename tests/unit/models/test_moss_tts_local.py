@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 from hyloop.graphs.context import StepContext
 from hyloop.graphs.safety import check_capture_safe
-from hyloop.graphs.sampler import sample, token_hashes
+from hyloop.graphs.sampler import candidate_cap, sample, token_hashes
 from hyloop.models.arch.moss_tts_local import FrameOutput, FrameSampling, MossTTSLocalLM
 from hyloop.models.loader import load_model
 from hyloop.models.weights import WeightLoadError
@@ -216,8 +216,7 @@ def sampling(
         history=torch.full((b, 4, n_vq), -1) if history is None else history,
         seeds=torch.arange(b) * 7919 + 11 if seeds is None else seeds,
         frame_pos=torch.full((b,), frame),
-        text_filtered=top_p < 1.0,
-        audio_filtered=top_k is not None or top_p < 1.0,
+        audio_top_cap=candidate_cap([(temp, -1 if top_k is None else top_k, top_p)], vocab),
         greedy_only=greedy_only,
     )
 
@@ -489,12 +488,12 @@ def test_each_channel_samples_at_its_rng_position(ckpt: Path) -> None:
     assert out.logits is not None
     base = s.frame_pos * model.num_channels
     text = (s.text_temperature, s.text_top_k, s.text_top_p, s.seeds)
-    stop = sample(out.logits[0], *text, base, tok_hash[:2], s.text_filtered)
+    stop = sample(out.logits[0], *text, base, tok_hash[:2], 2)
     assert torch.equal(out.stop, stop == 1)
     audio = (s.audio_temperature, s.audio_top_k, s.audio_top_p, s.seeds)
     v = model.audio_vocab_size
     for c in range(model.n_vq):
-        code = sample(out.logits[1][:, c], *audio, base + c + 1, tok_hash[:v], s.audio_filtered)
+        code = sample(out.logits[1][:, c], *audio, base + c + 1, tok_hash[:v], s.audio_top_cap)
         assert torch.equal(out.codes[:, c], code), f"code {c}"
     ended = out.rows[out.stop]
     assert (ended[:, 0] == model.end_id).all() and (ended[:, 1:] == model.pad_code).all()
