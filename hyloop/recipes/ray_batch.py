@@ -17,7 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,17 +45,17 @@ from hyloop.recipes.offline import (
 from hyloop.recipes.prefix_shards import ShardPlan, key_block, plan_shards, prefix_key
 
 ROW = "_hyloop_row"  # the row's index in the input dataset
-KEY = "_hyloop_prefix_key"
-POSITION = "_hyloop_position"  # the row's place in the sharded order
-OUTPUT_FIELDS = (
-    "text",
-    "token_ids",
-    "finish_reason",
-    "num_cached_tokens",
-    "num_prompt_tokens",
-    "error",
-)
+REQUEST = "_hyloop_request"  # a row's request fields as one JSON object text (the CLI's rows)
+OUTPUT_TYPES = {  # the columns a replica adds, with their Arrow types
+    "text": pa.string(),
+    "token_ids": pa.list_(pa.int64()),
+    "finish_reason": pa.string(),
+    "num_cached_tokens": pa.int64(),
+    "num_prompt_tokens": pa.int64(),
+    "error": pa.string(),
+}
 INT_FIELDS = {"max_tokens", "top_k", "seed", "logprobs"}
+REQUEST_FIELDS = {*PROMPT_FIELDS, *SAMPLING_FIELDS}
 
 
 class RaySection(BaseModel):
@@ -105,14 +107,20 @@ def _cell(value: Any) -> Any:
     return value
 
 
-def batch_rows(batch: dict[str, np.ndarray]) -> list[dict[str, Any]]:
-    """The prompt and sampling fields each row of a numpy batch gives (missing ones left out)."""
-    fields = [f for f in (*PROMPT_FIELDS, *SAMPLING_FIELDS) if f in batch]
-    rows: list[dict[str, Any]] = [{} for _ in range(_num_rows(batch))]
-    for f in fields:
-        column = batch[f]
+def batch_rows(columns: Mapping[str, Any], num_rows: int) -> list[dict[str, Any]]:
+    """The prompt and sampling fields each row gives (missing ones left out), from the columns
+    of a numpy batch or of an Arrow table (as lists); a ``REQUEST`` column, when there, holds
+    them instead, as one JSON object text a row."""
+    if REQUEST in columns:
+        return [json.loads(text) for text in columns[REQUEST]]
+    rows: list[dict[str, Any]] = [{} for _ in range(num_rows)]
+    for f in (*PROMPT_FIELDS, *SAMPLING_FIELDS):
+        if f not in columns:
+            continue
+        column = columns[f]
         # A nullable int column comes back as floats (NaN for missing): undo that, and only that.
-        coerced = f in INT_FIELDS and column.dtype.kind == "f"
+        coerced = f in INT_FIELDS and getattr(column, "dtype", None) is not None
+        coerced = coerced and column.dtype.kind == "f"
         for row, value in zip(rows, column, strict=True):
             value = _cell(value)
             if value is None:
@@ -121,10 +129,6 @@ def batch_rows(batch: dict[str, np.ndarray]) -> list[dict[str, Any]]:
                 value = int(value)
             row[f] = value
     return rows
-
-
-def _num_rows(batch: dict[str, np.ndarray]) -> int:
-    return len(next(iter(batch.values()))) if batch else 0
 
 
 class EngineReplica:
@@ -150,9 +154,34 @@ class EngineReplica:
         self.llm = LLM(config=engine_cfg)
         self.defaults = self.llm.engine.default_params()
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        rows = batch_rows(batch)
-        labels = batch[ROW].tolist() if ROW in batch else list(range(len(rows)))
+    def __call__(self, batch: dict[str, np.ndarray] | pa.Table) -> dict[str, np.ndarray] | pa.Table:
+        """A numpy batch in, a numpy batch out; or an Arrow table (``batch_format="pyarrow"``,
+        which ``generate_dataset`` uses: other columns then pass through untouched, and the
+        added ones have one Arrow type whatever the batch holds)."""
+        if isinstance(batch, pa.Table):
+            names = [f for f in (REQUEST, ROW, *REQUEST_FIELDS) if f in batch.column_names]
+            results = self.run({f: batch.column(f).to_pylist() for f in names}, batch.num_rows)
+            table = batch.drop_columns([f for f in OUTPUT_TYPES if f in batch.column_names])
+            for name, kind in OUTPUT_TYPES.items():
+                table = table.append_column(name, pa.array([r[name] for r in results], kind))
+            return table
+        results = self.run(batch, len(next(iter(batch.values()), [])))
+        out = dict(batch)
+        for name, kind in OUTPUT_TYPES.items():
+            if kind == pa.int64():
+                out[name] = np.array([r[name] for r in results], dtype=np.int64)
+                continue
+            column = np.empty(len(results), dtype=object)
+            for i, result in enumerate(results):
+                value = result[name]
+                column[i] = np.asarray(value, dtype=np.int64) if name == "token_ids" else value
+            out[name] = column
+        return out
+
+    def run(self, columns: Mapping[str, Any], num_rows: int) -> list[dict[str, Any]]:
+        """The ``OUTPUT_TYPES`` fields of each row given by ``columns`` (see ``batch_rows``)."""
+        rows = batch_rows(columns, num_rows)
+        labels = [int(i) for i in columns[ROW]] if ROW in columns else list(range(num_rows))
         results: list[dict[str, Any]] = [{} for _ in rows]
         ready: list[tuple[int, str | list[int], SamplingParams]] = []
         for i, (label, row) in enumerate(zip(labels, rows, strict=True)):
@@ -162,18 +191,10 @@ class EngineReplica:
                 self.llm.engine.validate_prompt(where, prompt)
                 ready.append((i, prompt, row_params(where, row, self.defaults)))
             except (ValueError, TypeError) as e:
-                results[i] = _failed(str(e))
+                results[i] = _failed(where, e)
         for i, result in self._generate(ready, labels):
             results[i] = result
-        out = dict(batch)
-        for name in OUTPUT_FIELDS:
-            column = np.empty(len(rows), dtype=object)
-            for i, result in enumerate(results):
-                column[i] = result[name]
-            out[name] = column
-        out["num_cached_tokens"] = out["num_cached_tokens"].astype(np.int64)
-        out["num_prompt_tokens"] = out["num_prompt_tokens"].astype(np.int64)
-        return out
+        return results
 
     def _generate(
         self, ready: list[tuple[int, str | list[int], SamplingParams]], labels: list[Any]
@@ -188,7 +209,7 @@ class EngineReplica:
             # A request the engine refuses on admission (it would not fit the pool) aborts the
             # whole call: run the rows one by one so only that one fails.
             if len(ready) == 1:
-                return [(ready[0][0], _failed(f"row {labels[ready[0][0]]}: {e}"))]
+                return [(ready[0][0], _failed(f"row {labels[ready[0][0]]}", e))]
             return [r for item in ready for r in self._generate([item], labels)]
         return [(i, _result(out)) for (i, _, _), out in zip(ready, outs, strict=True)]
 
@@ -196,7 +217,7 @@ class EngineReplica:
 def _result(out: Any) -> dict[str, Any]:
     return {
         "text": out.text,
-        "token_ids": np.asarray(out.token_ids, dtype=np.int64),
+        "token_ids": list(out.token_ids),
         "finish_reason": out.finish_reason,
         "num_cached_tokens": out.num_cached_tokens,
         "num_prompt_tokens": len(out.prompt_token_ids),
@@ -204,18 +225,22 @@ def _result(out: Any) -> dict[str, Any]:
     }
 
 
-def _failed(message: str) -> dict[str, Any]:
+def _failed(where: str, error: Exception) -> dict[str, Any]:
+    """A row that cannot run; its error reads ``row N: what is wrong``."""
+    message = re.sub(r"^request '[^']*': ", "", str(error)).removeprefix(f"{where}: ")
     return {
         "text": None,
-        "token_ids": np.empty(0, dtype=np.int64),
+        "token_ids": [],
         "finish_reason": "error",
         "num_cached_tokens": 0,
         "num_prompt_tokens": 0,
-        "error": message,
+        "error": f"{where}: {message}",
     }
 
 
-# -- row index and prefix keys ------------------------------------------------------------------
+# -- row index, prefix keys, shards -------------------------------------------------------------
+# Plain Ray tasks over the dataset's Arrow blocks: the driver holds one int per row (its key),
+# never the rows.
 @ray.remote
 def _block_rows(table: pa.Table) -> int:
     return table.num_rows
@@ -226,69 +251,76 @@ def _with_row_index(table: pa.Table, start: int) -> pa.Table:
     return table.append_column(ROW, pa.array(np.arange(start, start + table.num_rows)))
 
 
-def with_row_index(ds: ray.data.Dataset) -> ray.data.Dataset:
-    """``ds`` with ``ROW``, each row's index in ``ds``'s block order (``ds`` is materialized)."""
+def indexed_blocks(ds: ray.data.Dataset) -> list[ray.ObjectRef]:
+    """``ds``'s Arrow blocks, in its block order, with ``ROW``: each row's index in ``ds``."""
     blocks = ds.to_arrow_refs()
     sizes = ray.get([_block_rows.remote(b) for b in blocks])
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist() if sizes else []
-    indexed = [_with_row_index.remote(b, s) for b, s in zip(blocks, starts, strict=True)]
-    return ray.data.from_arrow_refs(indexed)
+    starts = np.cumsum([0, *sizes])[:-1].tolist()
+    return [_with_row_index.remote(b, s) for b, s in zip(blocks, starts, strict=True)]
 
 
-def _add_prefix_keys(
+def with_row_index(ds: ray.data.Dataset) -> ray.data.Dataset:
+    return ray.data.from_arrow_refs(indexed_blocks(ds))
+
+
+@ray.remote
+def _prefix_keys(
     table: pa.Table, tokenizer: TextTokenizer | None, block: int, page_size: int
-) -> pa.Table:
-    prompts = {f: table.column(f).to_pylist() for f in PROMPT_FIELDS if f in table.column_names}
-    keys = []
-    for i, label in enumerate(table.column(ROW).to_pylist()):
-        row = {f: values[i] for f, values in prompts.items() if values[i] is not None}
+) -> np.ndarray:
+    """The key of each row of ``table``; a row whose prompt cannot be read gets a key of its
+    own (it fails in its replica, naming itself)."""
+    fields = [f for f in (REQUEST, *PROMPT_FIELDS) if f in table.column_names]
+    rows = batch_rows({f: table.column(f).to_pylist() for f in fields}, table.num_rows)
+    keys = np.empty(table.num_rows, dtype=np.int64)
+    for i, (label, row) in enumerate(zip(table.column(ROW).to_pylist(), rows, strict=True)):
         try:
             prompt = row_prompt(f"row {label}", row, tokenizer)
             ids = tokenizer.encode(prompt) if isinstance(prompt, str) and tokenizer else prompt
-            keys.append(prefix_key([int(t) for t in ids], block, page_size))
+            keys[i] = prefix_key([int(t) for t in ids], block, page_size)
         except (ValueError, TypeError):
-            keys.append(prefix_key([-1 - int(label)], block, page_size))  # a key of its own
-    return table.append_column(KEY, pa.array(keys, type=pa.int64()))
+            keys[i] = prefix_key([-1 - int(label)], block, page_size)
+    return keys
 
 
-def _add_position(table: pa.Table, position: np.ndarray) -> pa.Table:
+@ray.remote
+def _split_block(table: pa.Table, part_of: np.ndarray, parts: int) -> list[pa.Table]:
+    part = part_of[table.column(ROW).to_numpy()]
+    return [table.filter(pa.array(part == p)) for p in range(parts)]
+
+
+@ray.remote
+def _gather(position: np.ndarray | None, *pieces: pa.Table) -> pa.Table:
+    table = pa.concat_tables(pieces, promote_options="permissive")
     rows = table.column(ROW).to_numpy()
-    return table.append_column(POSITION, pa.array(position[rows]))
+    return table.take(pa.array(np.argsort(rows if position is None else position[rows])))
+
+
+def regroup(
+    blocks: list[ray.ObjectRef], part_of: np.ndarray, parts: int, position: np.ndarray | None
+) -> list[ray.ObjectRef]:
+    """A shuffle of rows carrying ``ROW`` into ``parts`` blocks: row ``i`` goes to block
+    ``part_of[i]``, where rows run by ``position[i]`` (by ``i`` when None)."""
+    part_ref = ray.put(part_of)
+    pos_ref = ray.put(position)
+    pieces = [_split_block.options(num_returns=parts).remote(b, part_ref, parts) for b in blocks]
+    if parts == 1:  # one return is a ref, not a list of them
+        pieces = [[p] for p in pieces]
+    return [_gather.remote(pos_ref, *[p[k] for p in pieces]) for k in range(parts)]
 
 
 def shard_by_prefix(
-    indexed: ray.data.Dataset, engine_cfg: EngineConfig, opts: RaySection, replicas: int
-) -> tuple[list[ray.data.MaterializedDataset], ShardPlan]:
-    """Key every row of ``indexed`` (which carries ``ROW``) by its prompt prefix, plan the
-    shards, and return one dataset per replica, each in its run order."""
+    blocks: list[ray.ObjectRef], engine_cfg: EngineConfig, opts: RaySection, replicas: int
+) -> tuple[list[ray.data.Dataset], ShardPlan]:
+    """Key every row of ``blocks`` (from ``indexed_blocks``) by its prompt prefix, plan the
+    shards, and return one dataset per replica, in its run order."""
     page_size = engine_cfg.kv_pool.page_size
     tokenizer = load_tokenizer(engine_cfg.model.path) if engine_cfg.model.path else None
-    keyed = indexed.map_batches(
-        _add_prefix_keys,
-        batch_format="pyarrow",
-        fn_kwargs={
-            "tokenizer": tokenizer,
-            "block": key_block(opts.prefix_tokens, page_size),
-            "page_size": page_size,
-        },
-    ).materialize()
-    rows, keys = [], []
-    for batch in keyed.select_columns([ROW, KEY]).iter_batches(batch_format="numpy"):
-        rows.append(batch[ROW])
-        keys.append(batch[KEY])
-    row_keys = np.empty(keyed.count(), dtype=np.int64)
-    if rows:
-        row_keys[np.concatenate(rows)] = np.concatenate(keys)
-    plan = plan_shards(row_keys, replicas, opts.max_imbalance)
-    ordered = (
-        keyed.map_batches(
-            _add_position, batch_format="pyarrow", fn_kwargs={"position": plan.position()}
-        )
-        .sort(POSITION)
-        .materialize()
-    )
-    bounds = np.cumsum(plan.sizes)[:-1].tolist()
-    return ordered.split_at_indices(bounds), plan
+    block = key_block(opts.prefix_tokens, page_size)
+    tok_ref = ray.put(tokenizer)
+    keys = ray.get([_prefix_keys.remote(b, tok_ref, block, page_size) for b in blocks])
+    plan = plan_shards(np.concatenate([np.empty(0, np.int64), *keys]), replicas, opts.max_imbalance)
+    shards = regroup(blocks, plan.replica_of(), replicas, plan.position())
+    return [ray.data.from_arrow_refs([shard]) for shard in shards], plan
 
 
 # -- the job ------------------------------------------------------------------------------------
@@ -299,7 +331,7 @@ def _replica_map(
         EngineReplica,
         fn_constructor_kwargs={"config": engine_cfg},
         batch_size=opts.batch_size,
-        batch_format="numpy",
+        batch_format="pyarrow",
         compute=ray.data.ActorPoolStrategy(size=size),
         num_cpus=opts.num_cpus,
         num_gpus=opts.num_gpus,
@@ -316,21 +348,24 @@ def generate_rows(
     overrides: list[str] | None,
     replicas: int,
 ) -> ray.data.Dataset:
-    """``generate_dataset`` keeping ``ROW``, the input index of each output row."""
+    """The generated rows, each with ``ROW`` (its index in ``ds``), in no particular order;
+    the work is done when this returns (the result is materialized)."""
     if replicas < 1:
         raise ValueError(f"replicas: got {replicas}; expected an int >= 1")
     engine_cfg, opts = split_config(config, overrides)
-    indexed = with_row_index(ds)
+    blocks = indexed_blocks(ds)
     if opts.prefix_affinity:
-        shards, _ = shard_by_prefix(indexed, engine_cfg, opts, replicas)
+        shards, plan = shard_by_prefix(blocks, engine_cfg, opts, replicas)
         # One single-actor pool per shard pins each shard to its own replica.
-        outs = [_replica_map(shard, engine_cfg, opts, 1) for shard in shards if shard.count()]
+        outs = [
+            _replica_map(shard, engine_cfg, opts, 1)
+            for shard, size in zip(shards, plan.sizes, strict=True)
+            if size
+        ]
         out = outs[0].union(*outs[1:]) if len(outs) > 1 else outs[0]
     else:
-        out = _replica_map(indexed, engine_cfg, opts, replicas)
-    out = out.sort(ROW)
-    out.context.execution_options.preserve_order = True
-    return out
+        out = _replica_map(ray.data.from_arrow_refs(blocks), engine_cfg, opts, replicas)
+    return out.materialize()
 
 
 def generate_dataset(
@@ -345,7 +380,12 @@ def generate_dataset(
     ``overrides`` may mix engine keys (``kv_pool.page_size=16``) with ``ray.`` keys.
     """
     out = generate_rows(ds, config, overrides, replicas)
-    return out.drop_columns([c for c in (ROW, KEY, POSITION) if c in out.columns()])
+    blocks = out.to_arrow_refs()
+    rows = int(out.count())
+    parts = max(1, len(blocks))
+    # Blocks of consecutive rows, in input order.
+    ordered = regroup(blocks, np.arange(rows) * parts // max(rows, 1), parts, None)
+    return ray.data.from_arrow_refs(ordered).drop_columns([ROW])
 
 
 def init_ray(address: str | None) -> None:
@@ -368,11 +408,17 @@ def run_generate_ray(args: argparse.Namespace) -> int:
     _, opts = split_config(args.config or None, overrides)
     init_ray(opts.address)
     ray.data.DataContext.get_current().enable_progress_bars = not args.no_progress
-    ds = ray.data.from_items([row for _, row in numbered])
+    # Rows travel as JSON text: values of any type (a bad row's too) reach their replica as
+    # written, where Arrow would need one type per column across blocks.
+    requests = [
+        {REQUEST: json.dumps({k: v for k, v in row.items() if k in REQUEST_FIELDS})}
+        for _, row in numbered
+    ]
+    ds = ray.data.from_items(requests, override_num_blocks=max(1, len(requests) // opts.batch_size))
     out = generate_rows(ds, args.config or None, overrides, args.ray)
     results: list[dict[str, Any]] = [{} for _ in numbered]
-    for row in out.select_columns([ROW, *OUTPUT_FIELDS]).iter_rows():
-        results[row[ROW]] = {f: _cell(row[f]) for f in OUTPUT_FIELDS}
+    for row in out.select_columns([ROW, *OUTPUT_TYPES]).iter_rows():
+        results[row[ROW]] = {f: _cell(row[f]) for f in OUTPUT_TYPES}
     failed = 0
     sink = open(args.output, "w") if args.output else sys.stdout  # noqa: SIM115
     try:
