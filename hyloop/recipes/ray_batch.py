@@ -15,6 +15,7 @@ before the engine config is validated; the engine knows nothing of Ray.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import re
@@ -28,6 +29,7 @@ import pyarrow as pa
 import ray
 import ray.data
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from tqdm.auto import tqdm
 
 from hyloop.framework.config import ConfigError, EngineConfig, merge_config, validate_config
 from hyloop.framework.llm import LLM
@@ -289,23 +291,35 @@ def _split_block(table: pa.Table, part_of: np.ndarray, parts: int) -> list[pa.Ta
 
 
 @ray.remote
-def _gather(position: np.ndarray | None, *pieces: pa.Table) -> pa.Table:
+def _gather(position: np.ndarray | None, chunks: int, *pieces: pa.Table) -> Any:
     table = pa.concat_tables(pieces, promote_options="permissive")
     rows = table.column(ROW).to_numpy()
-    return table.take(pa.array(np.argsort(rows if position is None else position[rows])))
+    table = table.take(pa.array(np.argsort(rows if position is None else position[rows])))
+    if chunks == 1:
+        return table
+    bounds = np.linspace(0, table.num_rows, chunks + 1).astype(int)
+    return [table.slice(lo, hi - lo) for lo, hi in itertools.pairwise(bounds)]
 
 
 def regroup(
-    blocks: list[ray.ObjectRef], part_of: np.ndarray, parts: int, position: np.ndarray | None
-) -> list[ray.ObjectRef]:
-    """A shuffle of rows carrying ``ROW`` into ``parts`` blocks: row ``i`` goes to block
-    ``part_of[i]``, where rows run by ``position[i]`` (by ``i`` when None)."""
+    blocks: list[ray.ObjectRef],
+    part_of: np.ndarray,
+    position: np.ndarray | None,
+    chunks: list[int],
+) -> list[list[ray.ObjectRef]]:
+    """A shuffle of rows carrying ``ROW``: row ``i`` goes to part ``part_of[i]``, where rows
+    run by ``position[i]`` (by ``i`` when None); part ``k`` comes as ``chunks[k]`` blocks."""
+    parts = len(chunks)
     part_ref = ray.put(part_of)
     pos_ref = ray.put(position)
     pieces = [_split_block.options(num_returns=parts).remote(b, part_ref, parts) for b in blocks]
     if parts == 1:  # one return is a ref, not a list of them
         pieces = [[p] for p in pieces]
-    return [_gather.remote(pos_ref, *[p[k] for p in pieces]) for k in range(parts)]
+    out = []
+    for k, n in enumerate(chunks):
+        refs = _gather.options(num_returns=n).remote(pos_ref, n, *[p[k] for p in pieces])
+        out.append([refs] if n == 1 else refs)
+    return out
 
 
 def shard_by_prefix(
@@ -319,8 +333,11 @@ def shard_by_prefix(
     tok_ref = ray.put(tokenizer)
     keys = ray.get([_prefix_keys.remote(b, tok_ref, block, page_size) for b in blocks])
     plan = plan_shards(np.concatenate([np.empty(0, np.int64), *keys]), replicas, opts.max_imbalance)
-    shards = regroup(blocks, plan.replica_of(), replicas, plan.position())
-    return [ray.data.from_arrow_refs([shard]) for shard in shards], plan
+    # A shard comes as blocks of about batch_size rows: one replica call each, so progress and
+    # a retry after a replica dies are one batch.
+    chunks = [max(1, math.ceil(n / opts.batch_size)) for n in plan.sizes]
+    shards = regroup(blocks, plan.replica_of(), plan.position(), chunks)
+    return [ray.data.from_arrow_refs(shard) for shard in shards], plan
 
 
 # -- the job ------------------------------------------------------------------------------------
@@ -348,8 +365,8 @@ def generate_rows(
     overrides: list[str] | None,
     replicas: int,
 ) -> ray.data.Dataset:
-    """The generated rows, each with ``ROW`` (its index in ``ds``), in no particular order;
-    the work is done when this returns (the result is materialized)."""
+    """The generated rows, each with ``ROW`` (its index in ``ds``), in the order they finish:
+    a lazy dataset whose blocks stream out as replicas complete their batches."""
     if replicas < 1:
         raise ValueError(f"replicas: got {replicas}; expected an int >= 1")
     engine_cfg, opts = split_config(config, overrides)
@@ -365,7 +382,7 @@ def generate_rows(
         out = outs[0].union(*outs[1:]) if len(outs) > 1 else outs[0]
     else:
         out = _replica_map(ray.data.from_arrow_refs(blocks), engine_cfg, opts, replicas)
-    return out.materialize()
+    return out
 
 
 def generate_dataset(
@@ -379,13 +396,13 @@ def generate_dataset(
     ``config`` is YAML path(s) or a dict, possibly partial, merged over the defaults;
     ``overrides`` may mix engine keys (``kv_pool.page_size=16``) with ``ray.`` keys.
     """
-    out = generate_rows(ds, config, overrides, replicas)
+    out = generate_rows(ds, config, overrides, replicas).materialize()
     blocks = out.to_arrow_refs()
     rows = int(out.count())
     parts = max(1, len(blocks))
     # Blocks of consecutive rows, in input order.
-    ordered = regroup(blocks, np.arange(rows) * parts // max(rows, 1), parts, None)
-    return ray.data.from_arrow_refs(ordered).drop_columns([ROW])
+    ordered = regroup(blocks, np.arange(rows) * parts // max(rows, 1), None, [1] * parts)
+    return ray.data.from_arrow_refs([part[0] for part in ordered]).drop_columns([ROW])
 
 
 def init_ray(address: str | None) -> None:
@@ -417,8 +434,14 @@ def run_generate_ray(args: argparse.Namespace) -> int:
     ds = ray.data.from_items(requests, override_num_blocks=max(1, len(requests) // opts.batch_size))
     out = generate_rows(ds, args.config or None, overrides, args.ray)
     results: list[dict[str, Any]] = [{} for _ in numbered]
-    for row in out.select_columns([ROW, *OUTPUT_TYPES]).iter_rows():
-        results[row[ROW]] = {f: _cell(row[f]) for f in OUTPUT_TYPES}
+    bar = tqdm(total=len(results), desc="rows", unit="row", disable=args.no_progress)
+    with bar:
+        for batch in out.select_columns([ROW, *OUTPUT_TYPES]).iter_batches(
+            batch_size=None, batch_format="pyarrow"
+        ):
+            for row in batch.to_pylist():
+                results[row[ROW]] = row
+            bar.update(batch.num_rows)
     failed = 0
     sink = open(args.output, "w") if args.output else sys.stdout  # noqa: SIM115
     try:
