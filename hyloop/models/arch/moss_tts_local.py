@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hyloop.graphs.context import StepContext
@@ -195,6 +194,20 @@ class MossTTSLocalLM(nn.Module):
             cfg.activation,
         )
         self.local_text_lm_head = nn.Linear(self.hidden_size, 2, bias=False)
+        # Code c's logits read its embedding table (tied): a Linear of its own so the CPU
+        # packs its GEMM like every other (``pack_linears``).
+        self.audio_heads = nn.ModuleList(
+            nn.Linear(self.hidden_size, cfg.audio_vocab_size, bias=False) for _ in range(cfg.n_vq)
+        )
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        for head, table in zip(self.audio_heads, self.audio_embeddings, strict=True):
+            head.weight = table.weight
+
+    @property
+    def tied_weights(self) -> dict[str, str]:
+        return {f"audio_heads.{c}.weight": f"audio_embeddings.{c}.weight" for c in range(self.n_vq)}
 
     def rename_weight(self, name: str) -> str | None:
         """Checkpoint name -> parameter name; None drops the (tied, unused) LM heads."""
@@ -256,8 +269,7 @@ class MossTTSLocalLM(nn.Module):
         codes: list[torch.Tensor] = []
         code_logits: list[torch.Tensor] = []
         for c in range(n_vq):
-            table = self.audio_embeddings[c].weight
-            logits = F.linear(h, table).float()
+            logits = self.audio_heads[c](h).float()
             # HF repetition penalty: a seen code's logit shrinks towards (or below) zero.
             penalised = torch.where(logits < 0, logits * penalty, logits / penalty)
             logits = torch.where(seen[:, c], penalised, logits)
@@ -276,7 +288,7 @@ class MossTTSLocalLM(nn.Module):
             if keep_logits:
                 code_logits.append(logits)
             if c + 1 < n_vq:
-                h = local.step(F.embedding(code, table), c + 1, cache)
+                h = local.step(self.audio_embeddings[c](code), c + 1, cache)
         code_rows = torch.stack(codes, dim=1)
         stop = choice == STOP
         cont = torch.cat([code_rows.new_full((b, 1), self.slot_id), code_rows], dim=1)
