@@ -12,8 +12,9 @@ from torch import nn
 from hyloop.cache import NoReuseCache, PrefixCache, UnifiedRadixCache
 from hyloop.framework.config import EngineConfig
 from hyloop.framework.frame_step import FrameRunner
-from hyloop.framework.model_runner import ModelRunner
-from hyloop.models.layers.packed_linear import pack_linears, packing_available
+from hyloop.framework.model_runner import ModelRunner, resolve_backend, usable_buckets
+from hyloop.models.layers.kernel_choice import calibrate, shape_key
+from hyloop.models.layers.packed_linear import PackedLinear, pack_linears, packing_available
 from hyloop.models.loader import LoadedModel, load_model
 from hyloop.models.tokenizer import TextTokenizer
 from hyloop.pools import KVPool, RecurrentPool, ReqToTokenPool, StepFence
@@ -62,9 +63,11 @@ def build_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
             raise ValueError("model.path: no checkpoint given")
         loaded = load_model(cfg.model.path, dtype, device)
     model = loaded.model
-    packed = 0
+    packed, kernels = 0, None
     if cfg.model.cpu_packed_linear and packing_available(device):
         packed = pack_linears(model)
+        if cfg.model.cpu_kernels == "measure":
+            kernels = choose_kernels(cfg, model)
     spec = model.spec
     model_limit = int(getattr(spec, "max_positions", DEFAULT_MAX_CONTEXT))
     max_context = cfg.model.max_context or min(model_limit, DEFAULT_MAX_CONTEXT)
@@ -122,6 +125,7 @@ def build_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         "max_running": max_running,
         "row_channels": row_channels,
         "packed_linears": packed,
+        "cpu_kernels": kernels,
         "recurrent_slots": recurrent.num_slots if recurrent is not None else 0,
         "recurrent_bytes": recurrent.nbytes() if recurrent is not None else 0,
         "track_interval": track_interval,
@@ -164,3 +168,15 @@ def build_cache(
             recurrent_allocator=recurrent.allocator,
         )
     return cls(kv_allocator=kv.allocator, page_size=kv.page_size, components=("full",))
+
+
+def choose_kernels(cfg: EngineConfig, model: nn.Module) -> dict[str, Any]:
+    """Time the GEMM candidates of every packed Linear shape at the row counts the decode step
+    runs (one row and each batch bucket) unless this machine's table has them, and hand each
+    layer its choices (``kernel_choice``). What it chose goes into the run summary."""
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    buckets = usable_buckets(list(cfg.graphs.buckets), cfg.scheduler.max_running_requests)
+    compiled = resolve_backend(cfg.graphs.backend, torch.device("cpu")) == "compile"
+    table = calibrate(layers, [1, *buckets], with_gemv=compiled)
+    chosen = {shape_key(m.weight): dict(m.kernels) for m in layers}
+    return {"measured": table.measured, "measure_s": round(table.measure_s, 2), "choices": chosen}

@@ -40,6 +40,11 @@ class ModelSection(_Section):
     cpu_packed_linear: bool = Field(
         True, description="CPU: pre-pack Linear weights for oneDNN once (2x faster GEMMs)"
     )
+    cpu_kernels: Literal["measure", "packed"] = Field(
+        "measure",
+        description="CPU GEMM per Linear shape and row count: the fastest measured on this "
+        "machine (kept under $HYLOOP_CACHE_DIR), or always the packed oneDNN call",
+    )
 
 
 class KVPoolSection(_Section):

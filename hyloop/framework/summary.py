@@ -32,6 +32,15 @@ def render_summary(llm: Any) -> str:
         f"decode         {s['decode_tokens']} tokens in {s['decode_steps']} steps"
         + (f"    {s['decode_tokens'] / dt:.1f} tok/s" if dt else ""),
     ]
+    kernels = d.get("cpu_kernels")
+    if kernels:
+        lines.append(
+            f"cpu kernels    {kernels['measured']} timed in {kernels['measure_s']:.1f} s "
+            "(the rest read from this machine's table)"
+        )
+        for shape, by_rows in kernels["choices"].items():
+            picks = "  ".join(f"{rows}:{kernel}" for rows, kernel in by_rows.items())
+            lines.append(f"  {shape:<22} rows {picks}")
     extra = s.get("lookahead_hidden_host_s")
     if extra is not None:
         lines.append(f"host hidden    {extra:.3f} s by lookahead")

@@ -14,6 +14,7 @@ import itertools
 import weakref
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 _PACKED: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
@@ -37,7 +38,13 @@ def _(x: torch.Tensor, handle: int) -> torch.Tensor:
 
 
 class PackedLinear(nn.Module):
-    """Drop-in for an ``nn.Linear`` (same parameters and names) plus a packed weight copy."""
+    """Drop-in for an ``nn.Linear`` (same parameters and names) plus a packed weight copy.
+
+    ``kernels`` maps a row count to the kernel measured fastest for it on this machine
+    (``kernel_choice``): ``linear``, ``packed`` or ``gemv``; a row count between two measured
+    ones takes the choice of the next measured one above it. Unmeasured (empty), it runs the
+    packed GEMM, and a single row as the GEMV under ``torch.compile``.
+    """
 
     def __init__(self, linear: nn.Linear, batch_hint: int = 16) -> None:
         super().__init__()
@@ -51,17 +58,36 @@ class PackedLinear(nn.Module):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_hint)
         self.handle = next(_HANDLES)
         _PACKED[self.handle] = self
+        self.kernels: tuple[tuple[int, str], ...] = ()  # (rows, kernel), rows ascending
+
+    def set_kernels(self, kernels: dict[int, str]) -> None:
+        self.kernels = tuple(sorted(kernels.items()))
+
+    def kernel(self, rows: int) -> str:
+        """The kernel for ``rows`` rows (a static shape under compile: read at trace time)."""
+        for measured, kernel in self.kernels:
+            if measured >= rows:
+                return kernel
+        if self.kernels:
+            return self.kernels[-1][1]
+        return "gemv" if rows == 1 and torch.compiler.is_compiling() else "packed"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = self.kernel(x.numel() // self.in_features)
+        if kernel == "linear":
+            return F.linear(x, self.weight, self.bias)
+        if kernel == "gemv" and x.numel() == self.in_features:
+            return self.run_gemv(x)
         if torch.compiler.is_compiling():
-            if x.numel() == self.in_features:  # one row (batch-1 decode): a GEMV
-                return self._gemv(x)
             return packed_linear(x, self.handle)  # opaque to inductor
+        return self.run_packed(x)
+
+    def run_packed(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
-    def _gemv(self, x: torch.Tensor) -> torch.Tensor:
-        """``W @ x`` as a multiply-reduce that inductor turns into one vectorized, threaded
-        kernel: it streams the weight ~20% faster than oneDNN's M=1 call on CPU."""
+    def run_gemv(self, x: torch.Tensor) -> torch.Tensor:
+        """``W @ x`` for one row as a multiply-reduce that inductor turns into one vectorized,
+        threaded kernel (it can stream the weight faster than a GEMM call on some CPUs)."""
         out = (self.weight * x.reshape(1, self.in_features)).sum(-1)
         if self.bias is not None:
             out = out + self.bias
