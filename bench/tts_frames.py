@@ -1,21 +1,24 @@
 """TTS frames: frames/s through ``TTSEngine.generate()``, eager vs compile, time to first chunk.
 
 A scaled-down MOSS-TTS-Local shape (random weights, built in a temp dir): a Qwen3 backbone of
-hidden 512 x 8 layers, 12 codebooks x 1024 codes, 1 local layer. Per backend and batch: a warm-up
-wave captures the bucket, then a timed wave of ``--frames`` frames per request (stop ignored,
-default sampling: audio temperature 1.7, top-k 25, top-p 0.8). frames/s counts every frame of
+hidden 512 x 8 layers, 12 codebooks x 1024 codes, 1 local layer. Per batch: a warm-up wave on
+each backend captures the bucket, then ``--repeats`` timed waves of ``--frames`` frames per
+request alternate between the two engines (both alive; each backend keeps its best wave, so one
+noisy moment on a shared machine does not decide the ratio), stop ignored, default sampling
+(audio temperature 1.7, top-k 25, top-p 0.8). frames/s counts every frame of
 the wave over its wall time (prefill included); ``decode fps`` is the engine's decode counters.
 The real-time factor is wall time over audio time for one stream of a 12.5 Hz codec at that
 batch (below 1: faster than real time). Time to first chunk: from ``add_request`` to the first
 chunk of a probe request (``initial_chunk_frames`` 1 and 5), alone and while 16 other requests
 stream.
 
-    python bench/tts_frames.py --json PATH [--quick] [--batches 1,8,32] [--frames 48]
+    python bench/tts_frames.py --json PATH [--quick] [--batches 1,8,32] [--frames 48] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import sys
@@ -67,10 +70,14 @@ def prompts(batch: int, seed: int) -> list[np.ndarray]:
     return out
 
 
+def warm_up(tts: TTSEngine, batch: int, seed: int) -> None:
+    """A short wave of ``batch`` requests: captures the bucket (kept out of the timed waves)."""
+    warm = TTSParams(max_frames=4, ignore_stop=True, seed=seed)
+    tts.generate(prompts(batch, seed), warm, use_tqdm=False)
+
+
 def time_wave(tts: TTSEngine, batch: int, frames: int, seed: int) -> dict[str, float]:
     params = TTSParams(max_frames=frames, ignore_stop=True, seed=seed)
-    warm = TTSParams(max_frames=4, ignore_stop=True, seed=seed)
-    tts.generate(prompts(batch, seed), warm, use_tqdm=False)  # captures the bucket
     gc.collect()
     s0 = dict(tts.stats())
     t0 = time.perf_counter()
@@ -112,8 +119,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     cpu = cpu_name()
     print(f"CPU: {cpu} ({torch.get_num_threads()} threads)")
     rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         ckpt = build_checkpoint(Path(tmp))
+        engines = {}
         for backend in ("eager", "compile"):
             overrides = [
                 f"graphs.backend={backend}",
@@ -123,25 +131,29 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 "model.max_context=1024",
                 "lookahead.enable=false",
             ]
-            with TTSEngine(ckpt, overrides=overrides) as tts:
-                for batch in args.batches:
-                    r = time_wave(tts, batch, args.frames, seed=batch)
-                    rows.append({"backend": backend, "batch": batch, **r})
-                    print_row(rows[-1])
-                if not args.quick:
-                    for load in (0, 16):
-                        for initial in (1, 5):
-                            s = first_chunk(tts, initial, load, seed=7)
-                            rows.append(
-                                {
-                                    "backend": backend,
-                                    "ttfc_load": load,
-                                    "initial": initial,
-                                    "ttfc_s": s,
-                                }  # fmt: skip
-                            )
-                            print(f"{backend:>8} first chunk of {initial} frame(s), load {load}: "
-                                  f"{s * 1e3:.0f} ms")  # fmt: skip
+            engines[backend] = stack.enter_context(TTSEngine(ckpt, overrides=overrides))
+        for batch in args.batches:
+            for tts in engines.values():
+                warm_up(tts, batch, seed=batch)
+            best: dict[str, dict[str, float]] = {}
+            for rep in range(args.repeats):
+                for backend, tts in engines.items():
+                    r = time_wave(tts, batch, args.frames, seed=batch + 1 + rep)
+                    if backend not in best or r["fps"] > best[backend]["fps"]:
+                        best[backend] = r
+            for backend in engines:
+                rows.append({"backend": backend, "batch": batch, **best[backend]})
+                print_row(rows[-1])
+        if not args.quick:
+            for backend, tts in engines.items():
+                for load in (0, 16):
+                    for initial in (1, 5):
+                        s = first_chunk(tts, initial, load, seed=7)
+                        rows.append(
+                            {"backend": backend, "ttfc_load": load, "initial": initial, "ttfc_s": s}
+                        )
+                        print(f"{backend:>8} first chunk of {initial} frame(s), load {load}: "
+                              f"{s * 1e3:.0f} ms")  # fmt: skip
     ratio = {}
     for b in args.batches:
         e = next(r for r in rows if r.get("batch") == b and r["backend"] == "eager")
@@ -168,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="no first-chunk timings")
     p.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
     p.add_argument("--frames", type=int, default=48, help="frames per request")
+    p.add_argument("--repeats", type=int, default=3, help="timed waves per backend and batch")
     args = p.parse_args(argv)
     args.batches = parse_batches(p, args.batches)
     write_json(bench(args), args.json)
