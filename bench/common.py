@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -100,6 +102,50 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def lscpu_fields() -> dict[str, str]:
+    """``lscpu``'s ``Key: value`` lines (empty where lscpu is missing or fails)."""
+    try:
+        text = subprocess.run(
+            ["lscpu"], capture_output=True, text=True, check=True, timeout=10
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def cpu_flags(lscpu: dict[str, str] | None = None) -> str:
+    """The CPU's feature flags, space-separated: lscpu's ``Flags``, else /proc/cpuinfo's."""
+    flags = (lscpu if lscpu is not None else lscpu_fields()).get("Flags")
+    if flags is None:
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("flags"):
+                    flags = line.split(":", 1)[1]
+                    break
+        except OSError:
+            pass
+    return " ".join((flags or "").split())
+
+
+def machine_record() -> dict[str, Any]:
+    """What a speed figure depends on: CPU model and flags (AVX-512, AMX...), torch, threads."""
+    lscpu = lscpu_fields()
+    return {
+        "cpu_model": lscpu.get("Model name") or cpu_name(),
+        "cpu_vendor": lscpu.get("Vendor ID"),
+        "cpu_flags": cpu_flags(lscpu),
+        "cpus": os.cpu_count(),
+        "arch": platform.machine(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+
+
 def parse_batches(parser: argparse.ArgumentParser, text: str) -> list[int]:
     """``"1,16"`` -> ``[1, 16]``; a bad list is a usage error naming ``--batches``."""
     try:
@@ -112,6 +158,8 @@ def parse_batches(parser: argparse.ArgumentParser, text: str) -> list[int]:
 
 
 def write_json(result: dict[str, Any], path: str | None) -> None:
+    """Every bench's JSON record, with the ``machine`` it ran on (see ``machine_record``)."""
     if path:
+        result = {**result, "machine": machine_record()}
         Path(path).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {path}", file=sys.stderr)

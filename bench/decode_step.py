@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import platform
 import sys
 import tempfile
 from pathlib import Path
@@ -166,7 +165,6 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "metric": "decode-only step time and tok/s after a warm-up wave (capture excluded)",
         "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "machine": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "read_bandwidth_bytes_s": bandwidth,

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -203,7 +202,6 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "load_avg_start": load_start,
         "load_avg_end": os.getloadavg(),
         "torch": torch.__version__,
-        "machine": platform.processor() or platform.machine(),
         "rows": rows,
     }
 

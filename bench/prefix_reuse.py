@@ -11,7 +11,6 @@ and the on/off ratios; writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -24,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from common import write_json  # noqa: E402
 from conftest import build_hf_checkpoint  # noqa: E402
 
 from hyloop import LLM, SamplingParams  # noqa: E402
@@ -131,9 +131,7 @@ def main() -> None:
             )
     print(header)
     print("\n".join(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
-        print(f"wrote {args.json}")
+    write_json(results, args.json)
 
 
 if __name__ == "__main__":

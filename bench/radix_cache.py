@@ -12,7 +12,6 @@ built before timing (an engine builds a request's key once). Prints a table and 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -22,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from common import write_json  # noqa: E402
 
 from hyloop.cache import EvictParams, InsertParams, MatchPrefixParams, RadixKey, UnifiedRadixCache
 from hyloop.pools import PageAllocator
@@ -136,9 +137,7 @@ def main() -> None:
     for name, r in out["results"].items():
         print(f"{name:<12} {r['p50_us']:>10.2f} {r['p99_us']:>10.2f} {r['ops_per_s']:>12.1f}")
     print(f"ledger check: {'ok' if out['ledger_ok'] else 'FAILED'}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+    write_json(out, args.json)
 
 
 if __name__ == "__main__":
