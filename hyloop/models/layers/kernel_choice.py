@@ -19,12 +19,14 @@ the captured step alike, so both compute the same thing.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
 import platform
 import tempfile
 import time
+import types
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,10 +83,11 @@ def time_candidates(
     best = dict.fromkeys(candidates, float("inf"))
     calls: dict[str, int] = {}
     for name, fn in candidates.items():
-        t0 = time.perf_counter()
         fn()  # warm-up: first-call allocation, primitive creation, compile
-        first = max(time.perf_counter() - t0, 1e-6)
-        calls[name] = max(2, min(200, int(budget_s / rounds / first)))
+        t0 = time.perf_counter()
+        fn()
+        once = max(time.perf_counter() - t0, 1e-6)
+        calls[name] = max(2, min(500, int(budget_s / rounds / once)))
     for _ in range(rounds):
         for name, fn in candidates.items():
             n = calls[name]
@@ -166,18 +169,59 @@ def shape_key(weight: torch.Tensor) -> str:
     return f"{dtype} {weight.shape[0]}x{weight.shape[1]}"
 
 
-def linear_candidates(
-    layer: Any, x: torch.Tensor, with_gemv: bool
-) -> dict[str, Callable[[], object]]:
-    """The kernels a ``PackedLinear``-like ``layer`` can run ``x`` with."""
-    candidates: dict[str, Callable[[], object]] = {
-        "linear": lambda: F.linear(x, layer.weight, layer.bias),
-        "packed": lambda: layer.run_packed(x),
-    }
-    if with_gemv and x.shape[0] == 1:
-        gemv = torch.compile(layer.run_gemv, fullgraph=True, dynamic=False)
-        candidates["gemv"] = lambda: gemv(x)
-    return candidates
+def last_level_cache_bytes() -> int:
+    """The CPU's last-level cache size (sysfs), 32 MiB when unknown."""
+    try:
+        text = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        return int(text.rstrip("KMG")) * scale
+    except (OSError, ValueError):
+        return 32 * 2**20
+
+
+def _gemv(w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = (w * x).sum(-1)
+    return out if bias is None else out + bias
+
+
+class LinearCandidates:
+    """The kernels one Linear shape can run, each over weight copies that together exceed the
+    last-level cache, called in turn: a decode step streams every weight from memory once,
+    and timing one hot copy would measure the cache instead."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        stream = 2 * last_level_cache_bytes()
+        n = max(1, min(32, -(-stream // (weight.numel() * weight.element_size()))))
+        self.weights = [weight.clone() for _ in range(n)]  # all alike for the compiled GEMV
+        self.packed = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in self.weights]
+        self.bias = bias
+        self._gemv: Callable[..., torch.Tensor] | None = None
+
+    def for_rows(self, x: torch.Tensor, with_gemv: bool) -> dict[str, Callable[[], object]]:
+        ws, packed, bias = self.weights, self.packed, self.bias
+        turn = {name: itertools.count() for name in KERNELS}
+
+        def nth(name: str, items: list[torch.Tensor]) -> torch.Tensor:
+            return items[next(turn[name]) % len(items)]
+
+        candidates: dict[str, Callable[[], object]] = {
+            "linear": lambda: F.linear(x, nth("linear", ws), bias),
+            "packed": lambda: torch.ops.mkldnn._linear_pointwise(
+                x, nth("packed", packed), bias, "none", [], ""
+            ),
+        }
+        if with_gemv and x.shape[0] == 1:
+            if self._gemv is None:
+                # A code object of its own per shape: Dynamo caches compiled code per code
+                # object, and one shared by every shape would run into its recompile limit.
+                w = ws[0]
+                name = f"gemv_{str(w.dtype)[6:]}_{w.shape[0]}x{w.shape[1]}"
+                code = _gemv.__code__.replace(co_name=name, co_qualname=name)
+                fn = types.FunctionType(code, _gemv.__globals__, name)
+                self._gemv = torch.compile(fn, fullgraph=True, dynamic=False)
+            gemv = self._gemv
+            candidates["gemv"] = lambda: gemv(nth("gemv", ws), x, bias)
+        return candidates
 
 
 def calibrate(
@@ -201,13 +245,15 @@ def calibrate(
     with torch.inference_mode():
         for shape, layer in first.items():
             by_rows = table.entries.setdefault(shape, {})
+            kernels: LinearCandidates | None = None
             for r in rows:
                 known = by_rows.get(r, {})
                 wanted = [k for k in allowed if k != "gemv" or r == 1]
                 if all(k in known for k in wanted):
                     continue
+                kernels = kernels or LinearCandidates(layer.weight.detach(), layer.bias)
                 x = torch.randn(r, layer.in_features, dtype=layer.weight.dtype)
-                candidates = linear_candidates(layer, x, with_gemv)
+                candidates = kernels.for_rows(x, with_gemv)
                 timed = time_candidates(
                     {k: fn for k, fn in candidates.items() if k not in known}, budget_s=budget_s
                 )
