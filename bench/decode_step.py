@@ -9,7 +9,12 @@ time are excluded. HF ``generate`` runs on SmolLM2 with the same prompts; its de
 the fraction of that floor reached: ``weight_bytes / read_bandwidth`` over the step time, the
 bandwidth measured in the same run by a torch ``sum`` over 1 GiB on the same device.
 
+``--profile`` instead profiles warm decode steps of SmolLM2 (torch.profiler, CPU activity) for
+each dtype, backend and batch, and prints the share of the step spent in GEMMs, attention,
+norms/RoPE/activations, sampling, copies and Python/dispatch (``bench/profile_ops.py``).
+
     python bench/decode_step.py --json /tmp/decode_step.json [--quick] [--device cuda]
+    python bench/decode_step.py --profile --json /tmp/decode_step_profile.json [--quick]
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -28,12 +34,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
 
 from common import (  # noqa: E402
+    cpu_flags,
+    lscpu_fields,
+    machine_record,
     parse_batches,
     read_bandwidth,
     test_helpers,
     time_hf_generate,
     write_json,
 )
+from profile_ops import CATEGORIES, kernel_profile_enabled, profile_engine  # noqa: E402
 
 from hyloop import LLM, SamplingParams  # noqa: E402
 
@@ -179,6 +189,74 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def profile(args: argparse.Namespace) -> dict[str, Any]:
+    """Per-op shares of warm SmolLM2 decode steps for every dtype x backend x batch."""
+    from hyloop.recipes.offline import default_checkpoint
+
+    gguf = default_checkpoint()
+    print(profile_title(), flush=True)
+    print(PROFILE_HEADER, flush=True)
+    rows: list[dict[str, Any]] = []
+    for dtype in args.dtypes:
+        for backend in args.backends:
+            if backend == "compile":
+                kernel_profile_enabled()  # before the compile: one event per generated kernel
+            overrides = [
+                *engine_overrides(args, backend),
+                f"dtype={dtype}",
+                # The engine's default kv_len bucket: attention reads what a real run reads.
+                "graphs.kv_len_bucket=256",
+            ]
+            with LLM(model=gguf, overrides=overrides) as llm:
+                compile_opts = llm.engine.cfg.graphs.compile_options
+                for batch in args.batches:
+                    prompts = make_prompts(llm.engine.vocab_size, batch, args.prompt_len)
+                    warm = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+                    llm.generate(prompts, warm, use_tqdm=False)  # captures the bucket
+                    res = profile_engine(llm.engine, prompts, args.profile_steps)
+                    row = {"dtype": dtype, "backend": backend, "batch": batch, **res}
+                    if backend == "compile":
+                        row["compile_options"] = dict(compile_opts)
+                    rows.append(row)
+                    print_profile_row(row)
+    return {
+        "bench": "decode_step_profile",
+        "metric": "share of warm decode-step wall time by op category (torch.profiler, CPU)",
+        "model": str(gguf.name),
+        "categories": list(CATEGORIES),
+        "profile_steps": args.profile_steps,
+        "prompt_len": args.prompt_len,
+        "rows": rows,
+    }
+
+
+def profile_title() -> str:
+    m = machine_record()
+    isa = [f for f in cpu_flags(lscpu_fields()).split() if re.match(r"(avx|amx|fma|f16c)", f)]
+    return (
+        f"decode-step profile on {m['cpu_model']} ({m['cpus']} CPUs, {m['threads']} threads, "
+        f"torch {m['torch']})\nvector/matrix flags: {' '.join(isa) or 'none'}"
+    )
+
+
+PROFILE_SHORT = ("gemm", "attn", "norm+", "sample", "copies", "py/disp", "cmp-unat", "other")
+PROFILE_HEADER = (
+    f"{'dtype':>8} {'backend':>8} {'batch':>5} {'step ms':>8} {'prof ms':>8} "
+    + " ".join(f"{c:>8}" for c in PROFILE_SHORT)
+    + f" {'kernels':>7}"
+)
+
+
+def print_profile_row(row: dict[str, Any]) -> None:
+    shares = " ".join(f"{100 * row['shares'][c]:>7.1f}%" for c in CATEGORIES)
+    kernels = row["kernel_events"] if row["backend"] == "compile" else ""
+    print(
+        f"{row['dtype']:>8} {row['backend']:>8} {row['batch']:>5} {row['step_ms']:>8.2f} "
+        f"{row['profiled_step_ms']:>8.2f} {shares} {kernels:>7}",
+        flush=True,
+    )
+
+
 def _row(
     model: str,
     backend: str,
@@ -195,6 +273,14 @@ def _row(
             row["floor_fraction"] = (weight_bytes / bandwidth) / (res["step_ms"] / 1e3)
     return row
 
+
+PROFILE_LEGEND = (
+    "step ms: unprofiled; prof ms: under the profiler. Shares of the profiled step's wall time: "
+    "gemm (linears), attn (KV gather, score/value products, softmax), norm+ (norms, RoPE, "
+    "activations, element-wise), sample, copies, py/disp (no op running, wrapper and view "
+    "self time), cmp-unat (inside the compiled region, in no kernel event), other (no rule). "
+    "kernels: generated-kernel events per step."
+)
 
 HEADER = (
     f"{'model':>8} {'backend':>12} {'batch':>5} {'step ms':>9} {'tok/s':>10} {'floor':>6} "
@@ -226,15 +312,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, help="tokens per request (default 64)")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--no-hf", dest="hf", action="store_false", help="skip transformers")
+    p.add_argument("--profile", action="store_true", help="per-op profile of SmolLM2 steps")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="--profile: comma list")
+    p.add_argument("--profile-steps", type=int, help="--profile: steps profiled (default 16)")
     args = p.parse_args(argv)
+    args.dtypes = args.dtypes.split(",")
+    args.profile_steps = args.profile_steps or (4 if args.quick else 16)
     cuda = torch.device(args.device).type == "cuda"
     backends = args.backends or ("eager,compile,cuda_graph" if cuda else "eager,compile")
     args.backends = backends.split(",")
     args.models = args.models.split(",")
-    quick_batches, full_batches = "1,4", "1,16,32"
+    quick_batches, full_batches = ("1,16", "1,16") if args.profile else ("1,4", "1,16,32")
     batches = args.batches or (quick_batches if args.quick else full_batches)
     args.batches = parse_batches(p, batches)
     args.new_tokens = args.new_tokens or (8 if args.quick else 64)
+    if args.profile:  # room for the warm-up wave and the profiled requests' steps
+        args.new_tokens = max(args.new_tokens, 2 * args.profile_steps + 8)
     if args.new_tokens < 2:
         raise SystemExit(f"--new-tokens: got {args.new_tokens}; expected >= 2 (one decode step)")
     return args
@@ -242,6 +335,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.profile:
+        result = profile(args)
+        print("\n" + profile_title() + "\n" + PROFILE_HEADER)
+        for row in result["rows"]:
+            print_profile_row(row)
+        print(PROFILE_LEGEND)
+        write_json(result, args.json)
+        return 0
     result = bench(args)
     print("\n" + HEADER)
     for row in result["rows"]:
