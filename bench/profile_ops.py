@@ -38,8 +38,21 @@ CATEGORIES = (
 
 # (pattern, category), first match wins; matched against the event name with re.search.
 # Generated kernels (``cpp_fused_...``) are matched before op names: a fused kernel's name
-# lists the aten ops it came from, and the first rule that fits them says what it does.
-_FUSED = r"cpp_fused_"
+# joins the names of the aten ops it came from with "_", and the first rule that fits says
+# what it does (a kernel that fuses the final norm into the sampler counts as sampling).
+_FUSED = "cpp_fused_"
+
+
+def _fused(*ops: str) -> str:
+    """A generated kernel whose name lists any of ``ops`` (whole op names, not prefixes)."""
+    return _FUSED + r".*(?<![a-z0-9])(?:" + "|".join(ops) + r")(?![a-z0-9])"
+
+
+# Only multiplies, sums and views: the one-row GEMV (``W * x`` reduced over the input dim).
+_FUSED_GEMV = (
+    _FUSED + r"(?=.*(?<![a-z])mul(?![a-z]))(?=.*(?<![a-z])sum(?![a-z]))"
+    r"(?:(?:_unsafe_view|view|mul|sum|add|_to_copy|convert_element_type)_+)+\d+$"
+)
 RULES: tuple[tuple[str, str], ...] = (
     (r"^" + re.escape(STEP_MARK) + r"$", "python/dispatch"),
     # Compiled regions: their self time is what no kernel or extern-call event covers.
@@ -47,11 +60,36 @@ RULES: tuple[tuple[str, str], ...] = (
     # Guard checks and the entry into the compiled region run before any kernel.
     (r"^(TorchDynamo Cache Lookup|Torch-Compiled Region|torch\.compile)", "python/dispatch"),
     # Generated kernels, by the ops fused into them.
-    (_FUSED + r".*(argmax|topk|sort|cumsum|bitwise|rshift|lshift|xor|log)", "sampling"),
-    (_FUSED + r".*(softmax|index_select|bmm|\bindex\b|_index_|index_\b|amax|exp)", "attention"),
-    (_FUSED + r"(mul_sum|sum_mul|sum_view_mul|mul_sum_view|view_mul_sum)(_\d+)?$", "gemm"),
-    (_FUSED + r".*(rsqrt|mean|pow|silu|sigmoid|gelu|cos|sin|neg|mul|add|div)", "norm/rope/act"),
-    (_FUSED + r".*(index_copy|index_put|cat|clone|copy|embedding|select_scatter)", "copies"),
+    (
+        _fused(
+            "argmax", "topk", "sort", "cumsum", "bitwise_and", "bitwise_xor", "_*rshift_*", "log"
+        ),
+        "sampling",
+    ),
+    (
+        _fused("_*softmax", "index_select", "bmm", r"index(?!_copy|_put)", "amax", "exp"),
+        "attention",
+    ),
+    (_FUSED_GEMV, "gemm"),
+    (
+        _fused(
+            "rsqrt",
+            "mean",
+            "pow",
+            "silu",
+            "sigmoid",
+            "gelu",
+            "cos",
+            "sin",
+            "neg",
+            "mul",
+            "add",
+            "div",
+            "sub",
+        ),
+        "norm/rope/act",
+    ),
+    (_fused("index_copy", "index_put", "cat", "clone", "_*to_copy", "copy", "embedding"), "copies"),
     # Wrappers: their self time is dispatch; the work is in the op they call.
     (r"^hyloop::packed_linear$", "python/dispatch"),
     (r"^aten::(linear|matmul|einsum|softmax|to|contiguous|reshape|flatten)$", "python/dispatch"),
@@ -67,7 +105,10 @@ RULES: tuple[tuple[str, str], ...] = (
     (r"^aten::(bitwise_|__rshift__|__lshift__|__xor__|remainder|log$)", "sampling"),
     # Copies and gathers of whole rows.
     (r"^aten::(copy_|_to_copy|index_copy_?|index_put_?|_index_put_impl_|cat|clone)$", "copies"),
-    (r"^aten::(embedding|stack|fill_|zero_|zeros|scatter_?|narrow_copy|masked_fill_?)$", "copies"),
+    (
+        r"^aten::(embedding|stack|fill_|zero_|zeros|zeros|scatter_?|narrow_copy|masked_fill_?)$",
+        "copies",
+    ),
     # Norms, RoPE, activations: the element-wise and reduction ops.
     (r"^aten::(rms_norm|_fused_rms_norm|layer_norm|native_layer_norm|silu|gelu)", "norm/rope/act"),
     (
@@ -75,12 +116,13 @@ RULES: tuple[tuple[str, str], ...] = (
         "norm/rope/act",
     ),
     (
-        r"^aten::(where|clamp|minimum|maximum|lt|gt|le|ge|eq|ne|ones_like|zeros_like|arange)$",
+        r"^aten::(where|clamp|clamp_min|minimum|maximum|lt|gt|le|ge|eq|ne|ones_like|zeros_like|arange)$",
         "norm/rope/act",
     ),
     # Metadata and allocation: no data moves, the cost is dispatch.
+    (r"^detach_$", "python/dispatch"),
     (
-        r"^aten::(empty|empty_like|empty_strided|view|_unsafe_view|reshape|expand|as_strided"
+        r"^aten::(empty|empty_like|empty_strided|view|narrow|scalar_tensor|detach_|_unsafe_view|reshape|expand|as_strided"
         r"|slice|select|unsqueeze|squeeze|t|transpose|permute|detach|alias|resolve_conj"
         r"|resolve_neg|lift_fresh|_reshape_alias|unbind|split|chunk|split_with_sizes|item"
         r"|_local_scalar_dense|result_type|is_nonzero|numel|size|stride)$",
