@@ -242,7 +242,17 @@ def profile_title() -> str:
     )
 
 
-PROFILE_SHORT = ("gemm", "attn", "norm+", "sample", "copies", "py/disp", "cmp-unat", "other")
+PROFILE_SHORT = (
+    "gemm",
+    "attn",
+    "norm+",
+    "sample",
+    "copies",
+    "py/disp",
+    "cmp-unat",
+    "mixed",
+    "other",
+)
 PROFILE_HEADER = (
     f"{'dtype':>8} {'backend':>8} {'batch':>5} {'step ms':>8} {'prof ms':>8} "
     + " ".join(f"{c:>8}" for c in PROFILE_SHORT)
@@ -281,7 +291,9 @@ PROFILE_LEGEND = (
     "step ms: unprofiled; prof ms: under the profiler. Shares of the profiled step's wall time: "
     "gemm (linears), attn (KV gather, score/value products, softmax), norm+ (norms, RoPE, "
     "activations, element-wise), sample, copies, py/disp (no op running, wrapper and view "
-    "self time), cmp-unat (inside the compiled region, in no kernel event), other (no rule). "
+    "self time), cmp-unat (inside the compiled region, in no kernel event), mixed (a generated "
+    "kernel joining attention or sampling with norms/activations, and any GEMVs fused with them: "
+    "not separable), other (no rule). "
     "kernels: generated-kernel events per step."
 )
 

@@ -33,13 +33,14 @@ CATEGORIES = (
     "copies",
     "python/dispatch",
     "compiled, unattributed",
+    "fused mixed",
     "other",
 )
 
 # (pattern, category), first match wins; matched against the event name with re.search.
 # Generated kernels (``cpp_fused_...``) are matched before op names: a fused kernel's name
 # joins the names of the aten ops it came from with "_", and the first rule that fits says
-# what it does (a kernel that fuses the final norm into the sampler counts as sampling).
+# what it does.
 _FUSED = "cpp_fused_"
 
 
@@ -59,7 +60,10 @@ RULES: tuple[tuple[str, str], ...] = (
     (r"^(## Call CompiledFxGraph|CompiledFunction)", "compiled"),
     # Guard checks and the entry into the compiled region run before any kernel.
     (r"^(TorchDynamo Cache Lookup|Torch-Compiled Region|torch\.compile)", "python/dispatch"),
-    # Generated kernels, by the ops fused into them.
+    # Generated kernels, by the ops fused into them. A kernel that joins attention or the
+    # sampler with a norm or an activation (a one-row step fuses whole layers, GEMVs included)
+    # has no one category: its time is shown as is.
+    (_fused("_*softmax", "argmax") + r"(?=.*(?<![a-z])(?:rsqrt|silu)(?![a-z]))", "fused mixed"),
     (
         _fused(
             "argmax", "topk", "sort", "cumsum", "bitwise_and", "bitwise_xor", "_*rshift_*", "log"
