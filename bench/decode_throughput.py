@@ -94,7 +94,7 @@ def gemm_rate(model: torch.nn.Module, rows: int = 16) -> float:
     engine chose for it, weights hot in cache (the compute side of the floor)."""
     shapes: dict[tuple[int, int, torch.dtype], torch.nn.Module] = {}
     for m in model.modules():
-        if isinstance(m, torch.nn.Linear) or hasattr(m, "kernels"):
+        if _is_linear(m):
             shapes.setdefault((m.out_features, m.in_features, m.weight.dtype), m)
     flops = seconds = 0.0
     with torch.inference_mode():
@@ -113,11 +113,13 @@ def gemm_rate(model: torch.nn.Module, rows: int = 16) -> float:
 
 def linear_params(model: torch.nn.Module) -> int:
     """Weights the decode step multiplies per row (every Linear, the LM head included)."""
-    return sum(
-        m.weight.numel()
-        for m in model.modules()
-        if isinstance(m, torch.nn.Linear) or hasattr(m, "kernels")
-    )
+    return sum(m.weight.numel() for m in model.modules() if _is_linear(m))
+
+
+def _is_linear(m: torch.nn.Module) -> bool:
+    """An ``nn.Linear`` or a drop-in for one (hyloop's packed Linear)."""
+    weight = getattr(m, "weight", None)
+    return hasattr(m, "in_features") and isinstance(weight, torch.Tensor) and weight.dim() == 2
 
 
 def run_hf(hf: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
