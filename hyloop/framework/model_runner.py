@@ -70,6 +70,9 @@ class StepKind(Protocol):
 class ModelRunner:
     """Owns the model step and its backend; ``backend`` is the one in use, never ``auto``."""
 
+    # Inductor options a compiled step of this kind takes on CPU unless the config sets them.
+    cpu_compile_options: dict[str, Any] = {}
+
     def __init__(
         self,
         model: nn.Module,
@@ -105,7 +108,7 @@ class ModelRunner:
                 channels=row_channels or None,
                 oversize=graphs.oversize,
                 compile_in_graph=graphs.compile_in_graph,
-                compile_options=compile_options(graphs, device),
+                compile_options=compile_options(graphs, device, self.cpu_compile_options),
                 name=f"decode-{type(model).__name__}-{id(self):x}",
             )
 
@@ -178,14 +181,11 @@ def usable_buckets(buckets: list[int], max_requests: int) -> list[int]:
     return sorted({b for b in buckets if b <= max_requests}) or [max_requests]
 
 
-def compile_options(graphs: GraphsSection, device: torch.device) -> dict[str, Any]:
-    """Inductor options of a compiled step: the config's, over hyloop's defaults.
-
-    On CPU the compiled step runs a C++ wrapper (``cpp_wrapper``): a decode step launches a few
-    hundred small kernels and GEMMs, and calling each from the generated Python wrapper costs
-    ~15% of a batch-8 TTS frame step.
-    """
-    defaults = {"cpp_wrapper": True} if device.type == "cpu" else {}
+def compile_options(
+    graphs: GraphsSection, device: torch.device, cpu_defaults: dict[str, Any]
+) -> dict[str, Any]:
+    """Inductor options of a compiled step: the config's, over the step kind's CPU defaults."""
+    defaults = cpu_defaults if device.type == "cpu" else {}
     return {**defaults, **graphs.compile_options}
 
 
