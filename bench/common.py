@@ -15,6 +15,21 @@ from typing import Any
 
 import torch
 
+# The benches' small random dense model (a Llama without its architecture keys): big enough that
+# prefill and cache hits show in the timings, small enough to build in a second.
+SMALL_DENSE: dict[str, Any] = dict(
+    vocab_size=4096,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    initializer_range=0.05,
+    eos_token_id=2,
+)
+
 
 def read_bandwidth(device: torch.device | str = "cpu", gib: float = 1.0, reps: int = 5) -> float:
     """Bytes/s of a streaming read: best of ``reps`` sums over a ``gib`` GiB fp32 tensor."""

@@ -23,23 +23,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from common import write_json  # noqa: E402
+from common import SMALL_DENSE, write_json  # noqa: E402
 from conftest import build_hf_checkpoint  # noqa: E402
 
 from hyloop import LLM, SamplingParams  # noqa: E402
 
-BASE: dict[str, Any] = dict(
-    vocab_size=4096,
-    hidden_size=256,
-    intermediate_size=512,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    max_position_embeddings=4096,
-    rms_norm_eps=1e-6,
-    initializer_range=0.05,
-    eos_token_id=2,
-)
+BASE = SMALL_DENSE
 MODELS: dict[str, dict[str, Any]] = {
     "dense (llama)": dict(
         BASE, architectures=["LlamaForCausalLM"], model_type="llama", rope_theta=10000.0

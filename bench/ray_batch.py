@@ -29,25 +29,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import cpu_name, test_helpers, write_json  # noqa: E402
+from common import SMALL_DENSE, cpu_name, test_helpers, write_json  # noqa: E402
 
 from hyloop import LLM, SamplingParams  # noqa: E402
 
 TENANTS, PER_TENANT, PREFIX, REPLICAS = 8, 16, 512, 2
 MODEL: dict[str, Any] = dict(
-    architectures=["LlamaForCausalLM"],
-    model_type="llama",
-    vocab_size=4096,
-    hidden_size=256,
-    intermediate_size=512,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    max_position_embeddings=4096,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
-    initializer_range=0.05,
-    eos_token_id=2,
+    SMALL_DENSE, architectures=["LlamaForCausalLM"], model_type="llama", rope_theta=10000.0
 )
 ENGINE = [
     "kv_pool.page_size=16",
