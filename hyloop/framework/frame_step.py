@@ -23,6 +23,7 @@ from hyloop.framework.model_runner import ModelRunner, PreparedStep
 from hyloop.framework.request import Request
 from hyloop.framework.sampling_params import FrameSamplingParams, SamplingParams
 from hyloop.framework.step_fn import SamplingTensors, StepOutput, forward_last
+from hyloop.framework.step_inputs import InputBuilder
 from hyloop.graphs.context import StepContext
 from hyloop.graphs.ops import row_keys
 from hyloop.models.arch.moss_tts_local import FrameSampling
@@ -130,16 +131,20 @@ def run_frame_step(
     return StepOutput(row_keys(frames, model.end_id), logits, next_rows=frames)
 
 
-def audio_group(params: SamplingParams) -> tuple[float, int, float]:
-    """The frame's audio codes size the sampler (``sampler.candidate_cap``); its two-way stop
-    head samples over both candidates whatever the row asks."""
-    f = params.frame or _DEFAULTS
-    return (f.audio_temperature, f.audio_top_k, f.audio_top_p)
+class FrameInputBuilder(InputBuilder):
+    """A frame samples from its two channel groups (``SamplingParams.frame``)."""
 
+    @staticmethod
+    def filter_group(params: SamplingParams) -> tuple[float, int, float]:
+        """The audio codes size the sampler (``sampler.candidate_cap``); the two-way stop head
+        samples over both candidates whatever the row asks."""
+        f = params.frame or _DEFAULTS
+        return (f.audio_temperature, f.audio_top_k, f.audio_top_p)
 
-def samples_frame(params: SamplingParams) -> bool:
-    f = params.frame or _DEFAULTS
-    return f.text_temperature > 0 or f.audio_temperature > 0
+    @staticmethod
+    def samples(params: SamplingParams) -> bool:
+        f = params.frame or _DEFAULTS
+        return f.text_temperature > 0 or f.audio_temperature > 0
 
 
 class FrameRunner(ModelRunner):
@@ -150,13 +155,12 @@ class FrameRunner(ModelRunner):
     # batch-8 step on CPU; its C++ wrapper calls them directly. (A token step has far fewer
     # kernels and measured no gain: it keeps the Python wrapper.)
     cpu_compile_options = {"cpp_wrapper": True}
+    input_builder = FrameInputBuilder
 
     def __init__(self, model: nn.Module, *args: Any, **kwargs: Any) -> None:
         super().__init__(model, *args, **kwargs)
         rows = self.inputs.req_to_token.max_requests + 1
         self.state = FrameState(rows, model.n_vq, model.audio_vocab_size, self.device)
-        self.inputs.filter_group = audio_group  # type: ignore[method-assign]
-        self.inputs.samples = samples_frame  # type: ignore[method-assign]
 
     def step(self, ctx: StepContext, st: SamplingTensors, keep_logits: bool) -> StepOutput:
         return run_frame_step(self.model, ctx, st, self.state, self.tok_hash, keep_logits)

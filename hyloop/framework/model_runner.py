@@ -70,6 +70,8 @@ class StepKind(Protocol):
 class ModelRunner:
     """Owns the model step and its backend; ``backend`` is the one in use, never ``auto``."""
 
+    # How this kind builds its step inputs (and reads a request's sampling for them).
+    input_builder: type[InputBuilder] = InputBuilder
     # Inductor options a compiled step of this kind takes on CPU unless the config sets them.
     cpu_compile_options: dict[str, Any] = {}
 
@@ -88,7 +90,9 @@ class ModelRunner:
         self.device = device
         self.tok_hash = token_hashes(vocab_size, device)
         self.row_shape: tuple[int, ...] = (row_channels,) if row_channels else ()
-        self.inputs = InputBuilder(req_to_token, kv, recurrent, vocab_size, device, self.row_shape)
+        self.inputs = self.input_builder(
+            req_to_token, kv, recurrent, vocab_size, device, self.row_shape
+        )
         graphs = graphs or GraphsSection()
         self.backend: Backend = resolve_backend(graphs.backend, device)
         self.graph_runner: BucketRunner | None = None
