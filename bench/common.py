@@ -30,6 +30,26 @@ SMALL_DENSE: dict[str, Any] = dict(
     eos_token_id=2,
 )
 
+# SmolLM2-135M's shape (its config.json), random weights: the same step cost where the GGUF
+# cannot travel (a GPU machine that reaches no package index).
+SMOLLM2_SHAPE: dict[str, Any] = dict(
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_theta=100000.0,
+    initializer_range=0.041666666666666664,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
 
 def read_bandwidth(device: torch.device | str = "cpu", gib: float = 1.0, reps: int = 5) -> float:
     """Bytes/s of a streaming read: best of ``reps`` sums over a ``gib`` GiB fp32 tensor."""

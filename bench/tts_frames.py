@@ -1,8 +1,8 @@
-"""TTS frames: frames/s through ``TTSEngine.generate()``, eager vs compile, time to first chunk.
+"""TTS frames: frames/s through ``TTSEngine.generate()``, eager vs captured, time to first chunk.
 
 A scaled-down MOSS-TTS-Local shape (random weights, built in a temp dir): a Qwen3 backbone of
 hidden 512 x 8 layers, 12 codebooks x 1024 codes, 1 local layer. Per batch: a warm-up wave on
-each backend captures the bucket, then ``--repeats`` timed waves of ``--frames`` frames per
+each backend captures the bucket (``--backend``: compile on CPU, cuda_graph with ``--device cuda``), then ``--repeats`` timed waves of ``--frames`` frames per
 request alternate between the two engines (both alive; each backend keeps its best wave, so one
 noisy moment on a shared machine does not decide the ratio), stop ignored, default sampling
 (audio temperature 1.7, top-k 25, top-p 0.8). frames/s counts every frame of
@@ -13,6 +13,7 @@ chunk of a probe request (``initial_chunk_frames`` 1 and 5), alone and while 16 
 stream.
 
     python bench/tts_frames.py --json PATH [--quick] [--batches 1,8,32] [--frames 48] [--repeats 3]
+        [--device cuda --backend cuda_graph]
 """
 
 from __future__ import annotations
@@ -117,13 +118,16 @@ def first_chunk(tts: TTSEngine, initial: int, load: int, seed: int) -> float:
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(os.cpu_count() or 1)
     cpu = cpu_name()
-    print(f"CPU: {cpu} ({torch.get_num_threads()} threads)")
+    captured = args.backend
+    gpu = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None
+    print(f"CPU: {cpu} ({torch.get_num_threads()} threads)" + (f", GPU: {gpu}" if gpu else ""))
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         ckpt = build_checkpoint(Path(tmp))
         engines = {}
-        for backend in ("eager", "compile"):
+        for backend in ("eager", captured):
             overrides = [
+                f"device={args.device}",
                 f"graphs.backend={backend}",
                 f"graphs.buckets=[{','.join(map(str, args.batches))}]",
                 f"scheduler.max_running_requests={max(max(args.batches), 17)}",
@@ -157,16 +161,19 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     ratio = {}
     for b in args.batches:
         e = next(r for r in rows if r.get("batch") == b and r["backend"] == "eager")
-        c = next(r for r in rows if r.get("batch") == b and r["backend"] == "compile")
+        c = next(r for r in rows if r.get("batch") == b and r["backend"] == captured)
         ratio[b] = c["fps"] / e["fps"]
-    print("\n    batch  eager fps  compile fps  ratio  rtf eager  rtf compile")
+    where = gpu or cpu
+    print(f"\nTTS frames on {where}: eager vs {captured}")
+    print(f"    batch  eager fps {captured + ' fps':>12}  ratio  rtf eager {'rtf ' + captured:>12}")
     for b in args.batches:
         e = next(r for r in rows if r.get("batch") == b and r["backend"] == "eager")
-        c = next(r for r in rows if r.get("batch") == b and r["backend"] == "compile")
+        c = next(r for r in rows if r.get("batch") == b and r["backend"] == captured)
         print(f"{b:>9} {e['fps']:>10.1f} {c['fps']:>12.1f} {ratio[b]:>6.2f} "
               f"{e['rtf']:>10.3f} {c['rtf']:>12.3f}")  # fmt: skip
-    return {"cpu": cpu, "threads": torch.get_num_threads(), "frames": args.frames, "rows": rows,
-            "compile_over_eager": ratio}  # fmt: skip
+    return {"cpu": cpu, "gpu": gpu, "device": args.device, "backend": captured,
+            "threads": torch.get_num_threads(), "frames": args.frames, "rows": rows,
+            "captured_over_eager": ratio}  # fmt: skip
 
 
 def print_row(r: dict[str, Any]) -> None:
@@ -181,7 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
     p.add_argument("--frames", type=int, default=48, help="frames per request")
     p.add_argument("--repeats", type=int, default=3, help="timed waves per backend and batch")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--backend", help="the captured backend (default: compile, cuda_graph on CUDA)")
     args = p.parse_args(argv)
+    args.backend = args.backend or ("cuda_graph" if args.device.startswith("cuda") else "compile")
     args.batches = parse_batches(p, args.batches)
     write_json(bench(args), args.json)
     return 0

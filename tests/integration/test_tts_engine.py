@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from hyloop.tts import FrameChunk, TTSEngine, TTSParams
 
@@ -105,6 +106,27 @@ def test_compiled_frames_equal_eager_no_recompile(
         tts.engine.check_invariants()
     ref, _ = run(ckpt, EAGER, prompts, params)
     assert rows_of(outs) == rows_of(ref)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_frames_equal_eager_on_cuda(moss_local_ckpts: dict[str, Path]) -> None:
+    """The frame step captured as a CUDA graph (lookahead on) gives the eager step's frames on the
+    same device, seeded sampling and the repetition penalty included, with no fallback."""
+    ckpt = moss_local_ckpts[CKPT]
+    eager = ["device=cuda", *EAGER]
+    ref, _ = run(ckpt, eager, WAVE_PROMPTS, WAVE_PARAMS)
+    graph = [
+        "device=cuda",
+        "graphs.backend=cuda_graph",
+        "graphs.buckets=[1,2,4]",
+        *EAGER[1:],
+        "lookahead.enable=true",
+        "lookahead.min_batch=1",
+    ]
+    outs, stats = run(ckpt, graph, WAVE_PROMPTS, WAVE_PARAMS)
+    assert rows_of(outs) == rows_of(ref)
+    assert stats["graph_replays"] >= 10 and stats["eager_fallbacks"] == 0
 
 
 def test_stream_chunk_sizes_and_concatenation(moss_local_ckpts: dict[str, Path]) -> None:
@@ -302,8 +324,6 @@ def test_codec_chunks_decode_like_the_whole_sequence(moss_local_ckpts: dict[str,
 
 
 def test_the_frame_step_is_capture_safe(moss_local_ckpts: dict[str, Path]) -> None:
-    import torch
-
     from hyloop.framework.batch import Batch, Chunk
     from hyloop.graphs.safety import CaptureSafetyError, check_capture_safe
 
