@@ -2,15 +2,15 @@
 
 A scaled-down MOSS-TTS-Local shape (random weights, built in a temp dir): a Qwen3 backbone of
 hidden 512 x 8 layers, 12 codebooks x 1024 codes, 1 local layer. Per batch: a warm-up wave on
-each backend captures the bucket (``--backend``: compile on CPU, cuda_graph with ``--device cuda``), then ``--repeats`` timed waves of ``--frames`` frames per
-request alternate between the two engines (both alive; each backend keeps its best wave, so one
-noisy moment on a shared machine does not decide the ratio), stop ignored, default sampling
-(audio temperature 1.7, top-k 25, top-p 0.8). frames/s counts every frame of
-the wave over its wall time (prefill included); ``decode fps`` is the engine's decode counters.
-The real-time factor is wall time over audio time for one stream of a 12.5 Hz codec at that
-batch (below 1: faster than real time). Time to first chunk: from ``add_request`` to the first
-chunk of a probe request (``initial_chunk_frames`` 1 and 5), alone and while 16 other requests
-stream.
+each backend captures the bucket (``--backend``: compile on CPU, cuda_graph with ``--device
+cuda``), then ``--repeats`` timed waves of ``--frames`` frames per request alternate between the
+two engines (both alive; each backend keeps its best wave, so one noisy moment on a shared
+machine does not decide the ratio), stop ignored, default sampling (audio temperature 1.7, top-k
+25, top-p 0.8). frames/s counts every frame of the wave over its wall time (prefill included);
+``decode fps`` is the engine's decode counters. The real-time factor is wall time over audio time
+for one stream of a 12.5 Hz codec at that batch (below 1: faster than real time). Time to first
+chunk: from ``add_request`` to the first chunk of a probe request (``initial_chunk_frames`` 1 and
+5), alone and while 16 other requests stream.
 
     python bench/tts_frames.py --json PATH [--quick] [--batches 1,8,32] [--frames 48] [--repeats 3]
         [--device cuda --backend cuda_graph]
