@@ -80,6 +80,7 @@ def overrides(args: argparse.Namespace, lookahead: bool) -> list[str]:
     ctx = PREFIX + SUFFIX + args.new_tokens + PAGE
     pages = max(args.batches) * (-(-ctx // PAGE) + 1) * 2 + 1  # room for the tree as well
     return [
+        f"device={args.device}",
         f"graphs.backend={args.backend}",
         f"graphs.buckets=[{','.join(map(str, args.batches))}]",
         f"model.max_context={ctx}",
@@ -195,6 +196,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "bench": "lookahead",
         "backend": args.backend,
+        "device": args.device,
         "new_tokens": args.new_tokens,
         "prompt": {"shared_prefix": PREFIX, "distinct_suffix": SUFFIX},
         "metric": "decode-only engine counters of a timed wave after a warm-up wave",
@@ -265,9 +267,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batches", default=None, help="comma-separated (default 1,8,32)")
     p.add_argument("--new-tokens", type=int, default=None, help="default 64 (--quick: 8)")
     p.add_argument("--backend", default="compile", help="graphs.backend (eager, compile, ...)")
+    p.add_argument("--device", help="cpu or cuda (default: cuda for the cuda_graph backend)")
     p.add_argument("--rounds", type=int, default=None, help="timed waves per mode (default 5)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: default)")
     args = p.parse_args(argv)
+    args.device = args.device or ("cuda" if args.backend == "cuda_graph" else "cpu")
     models = args.models or ("small,hybrid" if args.quick else ",".join(MODELS))
     args.models = [m.strip() for m in models.split(",") if m.strip()]
     bad = [m for m in args.models if m not in MODELS]
