@@ -1,5 +1,5 @@
-"""The ``hyloop`` command: ``generate`` (offline batch generation), ``tts`` (TTS frames) and
-``regress`` (graph-vs-eager)."""
+"""The ``hyloop`` command: ``generate`` (offline batch generation), ``tts`` (TTS frames),
+``regress`` (graph-vs-eager) and ``warmup`` (capture a config's artifacts ahead of its jobs)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,17 @@ def main(argv: list[str] | None = None) -> int:
     reg.add_argument("--model", help="checkpoint (default: the recipe's)")
     reg.add_argument("--json", help="write the report as JSON here")
     reg.add_argument("overrides", nargs="*", help="config overrides, key=value")
+    warm = sub.add_parser(
+        "warmup",
+        help="capture the artifacts a config will use and time them (kept under $HYLOOP_CACHE_DIR)",
+    )
+    warm.add_argument("--config", action="append", default=[], help="YAML config (repeatable)")
+    warm.add_argument("--model", help="checkpoint (default: SmolLM2-135M)")
+    warm.add_argument(
+        "--kv-len", type=int, default=512, help="warm kv_len buckets up to this (default 512)"
+    )
+    warm.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    warm.add_argument("overrides", nargs="*", help="config overrides, key=value")
     # Overrides (key=value) may come before or after options; argparse takes one run of them.
     args, extra = parser.parse_known_args(argv)
     stray = [a for a in extra if a.startswith("-") or "=" not in a]
@@ -56,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
             from hyloop.recipes.offline import run_generate
 
             return run_generate(args)
+        if args.command == "warmup":
+            from hyloop.recipes.warmup import run_warmup
+
+            return run_warmup(args)
         if args.command == "tts":
             from hyloop.recipes.tts import run_tts
 

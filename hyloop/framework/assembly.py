@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,8 +14,11 @@ from torch import nn
 from hyloop.cache import NoReuseCache, PrefixCache, UnifiedRadixCache
 from hyloop.framework.config import EngineConfig
 from hyloop.framework.frame_step import FrameRunner
-from hyloop.framework.model_runner import ModelRunner, resolve_backend, usable_buckets
-from hyloop.models.layers.kernel_choice import calibrate, shape_key
+from hyloop.framework.model_runner import ModelRunner, usable_buckets
+from hyloop.graphs.auto_plan import Estimates
+from hyloop.graphs.buckets import ArtifactKey
+from hyloop.graphs.history import StepHistory, history_key
+from hyloop.models.layers.kernel_choice import cache_dir, calibrate, machine_key, shape_key
 from hyloop.models.layers.packed_linear import PackedLinear, pack_linears, packing_available
 from hyloop.models.loader import LoadedModel, load_model
 from hyloop.models.tokenizer import TextTokenizer
@@ -55,8 +60,17 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
+def use_compile_cache() -> Path:
+    """Inductor's on-disk caches (FX graphs, AOT autograd, compiled kernels) under hyloop's
+    cache directory, so ``$HYLOOP_CACHE_DIR`` holds everything a later run reuses; a
+    ``TORCHINDUCTOR_CACHE_DIR`` the user set wins. Call before the first compile."""
+    return Path(os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor")))
+
+
 def build_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
     device = resolve_device(cfg.device)
+    if cfg.graphs.backend != "eager":
+        use_compile_cache()
     dtype = DTYPES[cfg.dtype]
     if loaded is None:
         if not cfg.model.path:
@@ -114,6 +128,17 @@ def build_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         eos_ids.append(end_id)  # a row model's end row stops it
     kind = FrameRunner if hasattr(model, "decode_frame") else ModelRunner
     runner = kind(model, kv, req_to_token, vocab_size, device, recurrent, cfg.graphs, row_channels)
+    runner.attach_history(
+        step_history(cfg, kind.__name__),
+        Estimates.defaults(
+            device=device.type,
+            weight_bytes=loaded.weight_bytes,
+            num_layers=max(1, model.num_kv_layers),
+            compile_in_graph=cfg.graphs.compile_in_graph,
+        ),
+    )
+    if runner.auto and kernels is not None:
+        runner.before_capture = lambda keys: gemv_for_one_row(model, keys)
     derived = {
         "max_context": max_context,
         "kv_pages": num_pages,
@@ -170,13 +195,46 @@ def build_cache(
     return cls(kv_allocator=kv.allocator, page_size=kv.page_size, components=("full",))
 
 
+def step_history(cfg: EngineConfig, kind: str) -> StepHistory:
+    """This machine's measured step times for this model and step configuration."""
+    path = Path(str(cfg.model.path))
+    try:
+        st = path.stat()
+        ident = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    except OSError:
+        ident = str(path)
+    g = cfg.graphs
+    key = history_key(
+        machine_key(),
+        ident,
+        kind,
+        cfg.dtype,
+        cfg.device,
+        g.kv_len_bucket,
+        g.compile_in_graph,
+        sorted(g.compile_options.items()),
+        cfg.model.cpu_packed_linear,
+        cfg.model.cpu_kernels,
+    )
+    return StepHistory(cache_dir() / "steps" / f"{key}.json")
+
+
+def gemv_for_one_row(model: nn.Module, keys: list[ArtifactKey]) -> None:
+    """Before ``auto`` compiles a batch-1 artifact: time the compiled GEMV for one row too
+    (assembly left it out, as an eager step cannot use it)."""
+    if any(k.batch == 1 for k in keys):
+        layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+        calibrate(layers, [1], with_gemv=True)
+
+
 def choose_kernels(cfg: EngineConfig, model: nn.Module) -> dict[str, Any]:
     """Time the GEMM candidates of every packed Linear shape at the row counts the decode step
     runs (one row and each batch bucket) unless this machine's table has them, and hand each
     layer its choices (``kernel_choice``). What it chose goes into the run summary."""
     layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
     buckets = usable_buckets(list(cfg.graphs.buckets), cfg.scheduler.max_running_requests)
-    compiled = resolve_backend(cfg.graphs.backend, torch.device("cpu")) == "compile"
+    # ``auto`` starts eager; it times the GEMV if and when it compiles a batch-1 step.
+    compiled = cfg.graphs.backend == "compile"
     table = calibrate(layers, [1, *buckets], with_gemv=compiled)
     chosen = {shape_key(m.weight): dict(m.kernels) for m in layers}
     return {"measured": table.measured, "measure_s": round(table.measure_s, 2), "choices": chosen}

@@ -200,6 +200,7 @@ class Engine:
                 self.aborted += out.finish_reason == "abort"
         if not self.has_unfinished_requests():
             self.recorder.pause()  # waiting for new requests is no host time of this loop
+            self.runner.job_done()  # auto plans the next job afresh
         return outputs
 
     @property
@@ -266,6 +267,10 @@ class Engine:
         d["requests_aborted"] = self.aborted
         d.update(self.runner.graph_stats())
         d["backend"] = self.runner.backend
+        d["backend_config"] = self.runner.backend_label()
+        plan = self.runner.plan
+        d["auto_plan"] = plan.summary() if plan is not None else None
+        d["auto_capture_s"] = round(self.runner.auto_capture_s, 3)
         d["lookahead"] = self.lookahead_enabled
         d["weight_bytes"] = self.parts.weight_bytes
         d["kv_free_tokens"] = self.kv_alloc.available_size()

@@ -5,11 +5,18 @@
 a decode step and a graph backend is in use, eagerly otherwise. A frame step (TTS,
 ``frame_step.FrameRunner``) is another step function behind the same calls: the pipeline and
 its loops drive either.
+
+Under ``graphs.backend=auto`` nothing is captured on first use: ``plan_job`` captures, at a
+job's first decode step, the artifacts that job pays for (``graphs.auto_plan``) and every other
+step runs eagerly. Decode step times are measured into this machine's ``StepHistory`` so that
+later plans use real figures.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, cast
 
@@ -20,14 +27,18 @@ from hyloop.framework.batch import Batch
 from hyloop.framework.config import GraphsSection
 from hyloop.framework.step_fn import SamplingTensors, StepOutput, run_step
 from hyloop.framework.step_inputs import InputBuilder
+from hyloop.graphs.auto_plan import Estimates, Outlook, Plan, choose, simulate
 from hyloop.graphs.bucket_runner import BucketRunner
-from hyloop.graphs.buckets import kv_len_buckets
+from hyloop.graphs.buckets import ArtifactKey, kv_len_buckets, pick_bucket
 from hyloop.graphs.context import StepContext
+from hyloop.graphs.history import StepHistory
 from hyloop.graphs.sampler import token_hashes
 from hyloop.graphs.static_inputs import StepInputs
 from hyloop.pools import KVPool, RecurrentPool, ReqToTokenPool
 
 Backend = Literal["eager", "compile", "cuda_graph"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -95,7 +106,16 @@ class ModelRunner:
         )
         graphs = graphs or GraphsSection()
         self.backend: Backend = resolve_backend(graphs.backend, device)
+        self.auto = graphs.backend == "auto" and self.backend != "eager"
+        self.buckets = usable_buckets(graphs.buckets, req_to_token.max_requests)
+        self.max_requests = req_to_token.max_requests
         self.graph_runner: BucketRunner | None = None
+        self.history: StepHistory | None = None  # measured figures (``attach_history``)
+        self.defaults: Estimates | None = None
+        self.plan: Plan | None = None  # auto: the latest job's plan
+        self.auto_capture_s = 0.0  # auto: capture time before first decode steps
+        self.before_capture: Callable[[list[ArtifactKey]], None] | None = None
+        self._plan_due = True
         if self.backend != "eager":
             step = kv_len_buckets(
                 req_to_token.max_context,
@@ -105,7 +125,7 @@ class ModelRunner:
             self.graph_runner = BucketRunner(
                 self.graph_step,
                 backend=self.backend,
-                buckets=usable_buckets(graphs.buckets, req_to_token.max_requests),
+                buckets=self.buckets,
                 kv_len_buckets=step,
                 device=device,
                 padding_row=req_to_token.padding_row,
@@ -114,6 +134,7 @@ class ModelRunner:
                 compile_in_graph=graphs.compile_in_graph,
                 compile_options=compile_options(graphs, device, self.cpu_compile_options),
                 name=f"decode-{type(model).__name__}-{id(self):x}",
+                lazy=not self.auto,
             )
 
     def to_device(self, host: torch.Tensor) -> torch.Tensor:
@@ -150,6 +171,26 @@ class ModelRunner:
     ) -> StepOutput:
         """Run a prepared step; ``on_staged`` is called once its inputs are staged, just before
         the model runs (the overlap loop starts its host work there)."""
+        timed = self.history is not None and self.device.type == "cpu" and prepared.batch.is_decode
+        if not timed:
+            return self._execute(prepared, keep_logits, on_staged)
+        # A CPU step is synchronous: its wall time is the step's time.
+        replays = self.graph_runner.stats()["graph_replays"] if self.graph_runner else 0
+        t0 = time.perf_counter()
+        out = self._execute(prepared, keep_logits, on_staged)
+        elapsed = time.perf_counter() - t0
+        n = len(prepared.batch.chunks)
+        if n <= self.buckets[-1]:  # split batches are left out: no bucket's figure
+            now = self.graph_runner.stats()["graph_replays"] if self.graph_runner else 0
+            path = self.backend if now > replays else "eager"
+            bucket = pick_bucket(self.buckets, n)
+            assert bucket is not None and self.history is not None
+            self.history.record_step(path, bucket, elapsed)
+        return out
+
+    def _execute(
+        self, prepared: PreparedStep, keep_logits: bool, on_staged: Callable[[], None] | None
+    ) -> StepOutput:
         if prepared.inputs is not None:
             assert self.graph_runner is not None
             drop = () if keep_logits else ("logits",)
@@ -162,12 +203,67 @@ class ModelRunner:
             on_staged()
         return self.step(prepared.context, prepared.sampling, keep_logits)
 
+    # -- auto: what a job captures ---------------------------------------------------------------
+    def attach_history(self, history: StepHistory, defaults: Estimates) -> None:
+        """Measure decode steps into ``history``; ``auto`` plans from it over ``defaults``."""
+        self.history = history
+        self.defaults = defaults
+
+    def estimates(self) -> Estimates:
+        defaults = self.defaults or Estimates()
+        if self.history is None:
+            return defaults
+        return self.history.estimates(self.backend, defaults)
+
+    def plan_job(self, outlook: Sequence[Outlook], mode: tuple[int, int]) -> None:
+        """``auto``, at the first decode step of a job: capture the artifacts worth it.
+
+        ``outlook`` is every queued and running request; ``mode`` the sampling mode flags of
+        the step (artifacts of another mode are not planned: their steps run eagerly). Runs
+        once per job (``job_done`` starts the next); a no-op for explicit backends."""
+        if not self.auto or not self._plan_due or self.graph_runner is None:
+            return
+        self._plan_due = False
+        runner = self.graph_runner
+        counts = simulate(
+            outlook,
+            max_running=self.max_requests,
+            batch_buckets=runner.buckets,
+            kv_bucket=runner.kv_bucket,
+        )
+        have = {(b, kv) for b, kv in counts if runner.has_artifact(ArtifactKey(b, kv, *mode))}
+        plan = choose(counts, self.estimates(), have=have)
+        keys = [ArtifactKey(b, kv, *mode) for b, kv in plan.captured if (b, kv) not in have]
+        if keys and self.before_capture is not None:
+            self.before_capture(keys)
+        t0 = time.perf_counter()
+        runner.capture_keys(keys)
+        self.auto_capture_s += time.perf_counter() - t0
+        if self.history is not None:
+            for key in keys:
+                self.history.record_capture(
+                    self.backend, (key.batch, key.kv_len), runner.capture_times[key]
+                )
+        self.plan = plan
+        log.info("graphs.backend=auto: %s", plan.summary())
+
+    def job_done(self) -> None:
+        """The engine went idle: the next decode step starts a new job; keep what was measured."""
+        self._plan_due = True
+        if self.history is not None:
+            self.history.save()
+
     # -- report ---------------------------------------------------------------------------------
     def graph_stats(self) -> dict[str, int]:
+        keys = ("graph_replays", "eager_fallbacks", "recompiles", "uncaptured_steps")
         if self.graph_runner is None:
-            return {"graph_replays": 0, "eager_fallbacks": 0, "recompiles": 0}
+            return dict.fromkeys(keys, 0)
         st = self.graph_runner.stats()
-        return {k: st[k] for k in ("graph_replays", "eager_fallbacks", "recompiles")}
+        return {k: st[k] for k in keys}
+
+    def backend_label(self) -> str:
+        """The backend as configured: ``auto`` says what it resolved to."""
+        return f"auto ({self.backend} where a job pays for it)" if self.auto else self.backend
 
     def capture_seconds(self) -> float:
         """Seconds spent capturing (compiling) artifacts so far."""
@@ -177,6 +273,8 @@ class ModelRunner:
         return self.graph_runner.stats() if self.graph_runner is not None else {}
 
     def close(self) -> None:
+        if self.history is not None:
+            self.history.save()
         self.graph_runner = None
 
 

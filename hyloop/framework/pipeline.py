@@ -26,6 +26,7 @@ from hyloop.framework.model_runner import PreparedStep, StepKind
 from hyloop.framework.recorder import StepRecorder, StepTiming
 from hyloop.framework.request import RequestOutput, Status
 from hyloop.framework.step_fn import StepOutput
+from hyloop.graphs.auto_plan import Outlook
 from hyloop.pools import PageAllocator, RecurrentPool, SlotRole, StepFence
 
 
@@ -87,6 +88,8 @@ class StepPipeline:
     def prepare(self, batch: Batch, source_rows: torch.Tensor | None = None) -> Pending:
         """Host side of a launch: track slots, sampled-token counters, step inputs."""
         memory = self.requests.memory
+        plan_job = getattr(self.kind, "plan_job", None)
+        outlook = self.outlook() if batch.is_decode and plan_job is not None else None
         for c in batch.chunks:
             c.track_slot = memory.take_track_slot(c.start + c.length)
             if batch.is_decode or c.completes_prompt:
@@ -95,9 +98,21 @@ class StepPipeline:
                 c.req.num_sampled += 1
         # Taken now: a release clears ``req.slots``.
         reads = [(c.req.slots, c.start + c.length) for c in batch.chunks if c.req.slots is not None]
-        pending = Pending(self.kind.prepare(batch), self.fence.issue(), source_rows, reads)
+        step = self.kind.prepare(batch)
+        if outlook is not None and step.inputs is not None:
+            assert plan_job is not None
+            plan_job(outlook, step.inputs.mode)  # auto: a job's captures, before its first step
+        pending = Pending(step, self.fence.issue(), source_rows, reads)
         self._unresolved[pending.gen] = pending
         return pending
+
+    def outlook(self) -> list[Outlook]:
+        """Every running and queued request as a job plan sees it: the columns its next decode
+        step reads and the decode steps left in its budget."""
+        sched = self.requests.scheduler
+        out = [Outlook(r.total_len, r.max_new - r.num_sampled) for r in sched.running]
+        out += [Outlook(len(r.prompt_ids) + 1, r.max_new - 1) for r in sched.waiting]
+        return out
 
     def plan(self, after: Batch, min_batch: int) -> Pending | None:
         """The decode step after ``after`` over its requests still alive, its input ids left to

@@ -14,9 +14,9 @@ def render_summary(llm: Any) -> str:
         "── hyloop run summary " + "─" * 40,
         f"model          {cfg.model.path}",
         f"device/dtype   {cfg.device} / {cfg.dtype}    weights {s['weight_bytes'] / 2**20:.1f} MiB",
-        f"backend        {s['backend']}    buckets {cfg.graphs.buckets}",
+        f"backend        {s['backend_config']}    buckets {cfg.graphs.buckets}",
         f"graph replays  {s['graph_replays']}    eager fallbacks {s['eager_fallbacks']}    "
-        f"recompiles {s['recompiles']}    first-use capture {s['capture_time']:.1f} s "
+        f"recompiles {s['recompiles']}    capture {s['capture_time']:.1f} s "
         "(kept out of the step times)",
         f"kv pool        page_size {cfg.kv_pool.page_size}    pages {d['kv_pages']}    "
         f"free {s['kv_free_tokens']}/{s['kv_capacity_tokens']} tokens",
@@ -32,6 +32,11 @@ def render_summary(llm: Any) -> str:
         f"decode         {s['decode_tokens']} tokens in {s['decode_steps']} steps"
         + (f"    {s['decode_tokens'] / dt:.1f} tok/s" if dt else ""),
     ]
+    if s.get("auto_plan") is not None:
+        lines.append(
+            f"auto plan      {s['auto_plan']}; captured {s['auto_capture_s']:.1f} s at jobs' "
+            f"first decode steps, none after; {s['uncaptured_steps']} steps ran eager"
+        )
     kernels = d.get("cpu_kernels")
     if kernels:
         lines.append(

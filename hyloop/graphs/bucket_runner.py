@@ -6,7 +6,9 @@ copies the rows into the static buffers (the rest become inert padding rows), re
 artifact and returns its outputs sliced to the real rows and cloned, so the next replay cannot
 overwrite them. A batch above the largest bucket is split into bucket-sized pieces (or run eagerly
 with ``oversize="eager"``); a ``kv_len`` above the largest ``kv_len`` bucket runs eagerly. Every
-such fallback is counted in ``stats()``.
+such fallback is counted in ``stats()``. A bucket is captured on first use, or with ``lazy=False``
+only when ``capture`` / ``capture_keys`` asks: a step whose artifact does not exist then runs
+eagerly (counted as ``uncaptured_steps``), so a replay never waits on a compile.
 
 ``step_fn(inputs: StepInputs)`` returns a tensor or a tuple / list / dict / dataclass of batch-major
 tensors (``None`` and plain Python values pass through). It must compute each row from that row's
@@ -64,6 +66,7 @@ class BucketRunner:
         strict_stance: bool = False,
         warmup_runs: int = 2,
         name: str = "step",
+        lazy: bool = True,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"BucketRunner backend: {backend!r}, expected one of {BACKENDS}")
@@ -84,6 +87,7 @@ class BucketRunner:
         self.strict_stance = strict_stance
         self.warmup_runs = warmup_runs
         self.name = name
+        self.lazy = lazy
         self.static = StaticInputs.init(
             self.max_bs,
             padding_row=padding_row,
@@ -95,10 +99,16 @@ class BucketRunner:
         self._compiled: list[CompiledStep] = []
         self._graph_pool: Any = None
         self._stream: torch.cuda.Stream | None = None
-        self._counts = {"graph_replays": 0, "eager_fallbacks": 0, "split_batches": 0}
+        self._counts = {
+            "graph_replays": 0,
+            "eager_fallbacks": 0,
+            "split_batches": 0,
+            "uncaptured_steps": 0,
+        }
         self._eager_steps = 0
         self._warned: set[str] = set()
         self._capture_s = 0.0
+        self.capture_times: dict[ArtifactKey, float] = {}  # seconds each artifact took
 
     # -- capture --------------------------------------------------------------------------------
     def capture(
@@ -120,9 +130,22 @@ class BucketRunner:
             for kv in sorted({k for k in kv_keys if k is not None}, reverse=True)
             for bs in reversed(self.buckets)
         ]
-        for key in keys:
-            self._artifact(key)
+        return self.capture_keys(keys)
+
+    def capture_keys(self, keys: Iterable[ArtifactKey]) -> list[ArtifactKey]:
+        """Capture exactly ``keys`` (those not captured yet); returns them."""
+        keys = list(keys)
+        if self.backend != "eager":
+            for key in keys:
+                self._artifact(key)
         return keys
+
+    def kv_bucket(self, kv_len: int) -> int | None:
+        """The ``kv_len`` bucket a step reading ``kv_len`` columns runs in (None: eager)."""
+        return self._kv_bucket(kv_len)
+
+    def has_artifact(self, key: ArtifactKey) -> bool:
+        return key in self._artifacts
 
     def _kv_bucket(self, kv_len: int) -> int | None:
         return pick_bucket(self.kv_len_buckets, kv_len)
@@ -143,6 +166,7 @@ class BucketRunner:
         self._artifacts[key] = artifact
         elapsed = time.perf_counter() - start
         self._capture_s += elapsed
+        self.capture_times[key] = elapsed
         log.info("%s: captured %s with %s in %.2fs", self.name, key.label(), self.backend, elapsed)
         return artifact
 
@@ -180,6 +204,38 @@ class BucketRunner:
         if compiled is not None:
             compiled.check_warm(self.warmup_runs + 1)
         return graph
+
+    def time_key(self, key: ArtifactKey, runs: int = 5) -> tuple[list[float], list[float]]:
+        """Seconds of ``runs`` replays of ``key``'s artifact (captured first if need be) and of
+        ``runs`` eager steps on the same all-padding inputs (``hyloop warmup``'s figures)."""
+        artifact = self._artifact(key)
+        static = artifact.static
+        static.fill_padding()
+        cuda = self.device.type == "cuda"
+
+        def timed(fn: Callable[[], Any]) -> list[float]:
+            out = []
+            for _ in range(runs):
+                if cuda:
+                    torch.cuda.synchronize(self.device)
+                t0 = time.perf_counter()
+                fn()
+                if cuda:
+                    torch.cuda.synchronize(self.device)
+                out.append(time.perf_counter() - t0)
+            return out
+
+        with torch.inference_mode():
+            return timed(artifact.replay), timed(lambda: self.step_fn(static))
+
+    def recapture(self, key: ArtifactKey) -> float:
+        """Drop ``key``'s artifact and capture it again after resetting Dynamo, as a new
+        process would (inductor's on-disk cache warm); returns the seconds it took."""
+        self._artifacts.pop(key, None)
+        self._compiled = [c for c in self._compiled if c.key != key]
+        torch._dynamo.reset()
+        self._artifact(key)
+        return self.capture_times[key]
 
     # -- run ------------------------------------------------------------------------------------
     def run(
@@ -253,7 +309,12 @@ class BucketRunner:
         n = inputs.batch_size
         bucket = pick_bucket(self.buckets, n)
         assert bucket is not None
-        artifact = self._artifact(ArtifactKey(bucket, kv_bucket, *inputs.mode))
+        key = ArtifactKey(bucket, kv_bucket, *inputs.mode)
+        if not self.lazy and key not in self._artifacts:
+            self._counts["uncaptured_steps"] += 1
+            on_staged()
+            return self.step_fn(inputs)
+        artifact = self._artifact(key)
         with artifact.replay_guard():
             artifact.static.copy_from(inputs)
             on_staged()

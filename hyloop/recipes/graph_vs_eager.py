@@ -236,7 +236,8 @@ def regress(
                 f"{settings.max_tokens} tokens exceed model.max_context={oracle.engine.max_context}"
             )
         ref = _run_all(oracle, settings, sizes, "eager")
-    with LLM(model=model, config=cfg) as captured:
+    # ``auto`` would capture only what a job pays for: the recipe checks the captured step.
+    with LLM(model=model, config=cfg, overrides=[f"graphs.backend={backend}"]) as captured:
         if perturb is not None:
             perturb(captured)
         got = _run_all(captured, settings, sizes, backend)

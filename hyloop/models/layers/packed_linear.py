@@ -76,8 +76,8 @@ class PackedLinear(nn.Module):
         kernel = self.kernel(x.numel() // self.in_features)
         if kernel == "linear":
             return F.linear(x, self.weight, self.bias)
-        if kernel == "gemv" and x.numel() == self.in_features:
-            return self.run_gemv(x)
+        if kernel == "gemv" and x.numel() == self.in_features and torch.compiler.is_compiling():
+            return self.run_gemv(x)  # eagerly the multiply-reduce would allocate W * x: packed
         if torch.compiler.is_compiling():
             return packed_linear(x, self.handle)  # opaque to inductor
         return self.run_packed(x)
