@@ -15,10 +15,12 @@
 #   3. bench/decode_step.py with the eager and cuda_graph backends
 #   4. bench/lookahead.py with the cuda_graph backend (lookahead off vs on)
 #   5. bench/tts_frames.py: TTS frames/s, eager vs cuda_graph, and time to first chunk
+#   6. graphs.backend=auto: a SmolLM2-shaped job planned at its first decode step (what it
+#      captured, nothing after), its ids equal to the eager step's, then `hyloop warmup`
 # A short table comes last; the exit status is non-zero when any step failed.
 # Knobs (environment): DEVICE (cuda), BACKEND (cuda_graph), MODELS (tiny checkpoints and smollm2
 # to regress), REGRESS_ARGS / BENCH_ARGS (extra overrides / flags), SKIP (steps to skip: tests
-# regress bench lookahead frames). A CPU smoke run of this script:
+# regress bench lookahead frames auto). A CPU smoke run of this script:
 #   DEVICE=cpu BACKEND=compile SKIP=tests MODELS=llama REGRESS_ARGS="graphs.buckets=[2]" \
 #     BENCH_ARGS="--quick --models tiny --no-hf" bash bench/device_check.sh
 set -uo pipefail
@@ -33,6 +35,7 @@ REGRESS_ARGS=${REGRESS_ARGS:-}
 # SmolLM2's GGUF (93 MiB) cannot travel: the decode bench times random weights in its shape.
 BENCH_ARGS=${BENCH_ARGS:---models tiny,smollm2_shape}
 FRAMES_ARGS=${FRAMES_ARGS:---batches 1,8,32 --frames 48 --repeats 2}
+AUTO_ARGS=${AUTO_ARGS:-}  # extra overrides for step 6 (a CPU smoke run: graphs.buckets=[1])
 LOOKAHEAD_ARGS=${LOOKAHEAD_ARGS:---models small,hybrid}
 SKIP=${SKIP:-}
 PY=${PY:-python3}
@@ -139,6 +142,53 @@ if ! skip frames; then
   RC[frames]=$?
 fi
 
+# 6. auto: the job plan on this device, against the eager step (same ids), then warmup.
+if ! skip auto; then
+  # shellcheck disable=SC2086
+  "$PY" - "$LOGS" "$DEVICE" $AUTO_ARGS >"$LOGS/auto.log" 2>&1 <<'EOF'
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, "bench")
+sys.path.insert(0, "tests")
+from common import SMOLLM2_SHAPE
+from conftest import build_hf_checkpoint
+
+from hyloop import LLM, SamplingParams
+
+logs, device, extra = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
+os.environ["HYLOOP_CACHE_DIR"] = tempfile.mkdtemp(prefix="hyloop-auto-")
+ckpt = build_hf_checkpoint(Path(tempfile.mkdtemp()) / "smollm2-shape", SMOLLM2_SHAPE)
+base = [f"device={device}", "model.max_context=1024", "graphs.buckets=[1,2,4,8]", *extra]
+prompts = [[100 + 7 * i + j for j in range(24)] for i in range(8)]
+params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+out = {}
+for backend in ("eager", "auto"):
+    with LLM(model=ckpt, overrides=[f"graphs.backend={backend}", *base]) as llm:
+        t0 = time.perf_counter()
+        ids = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        s = llm.stats()
+        out[backend] = {"ids": ids, "wall_s": time.perf_counter() - t0, "plan": s["auto_plan"],
+                        "replays": s["graph_replays"], "uncaptured": s["uncaptured_steps"],
+                        "capture_s": s["capture_time"]}
+same = out["auto"]["ids"] == out["eager"]["ids"]
+print(f"auto: ids equal eager: {same}; plan: {out['auto']['plan']}")
+print(f"auto: wall {out['auto']['wall_s']:.2f} s (capture {out['auto']['capture_s']:.2f} s, "
+      f"{out['auto']['replays']} replays, {out['auto']['uncaptured']} eager) vs eager "
+      f"{out['eager']['wall_s']:.2f} s")
+json.dump({k: {kk: vv for kk, vv in v.items() if kk != "ids"} for k, v in out.items()},
+          open(logs / "auto.json", "w"))
+from hyloop.cli import main
+rc = main(["warmup", "--model", str(ckpt), "--kv-len", "256", "--no-progress", *base])
+sys.exit(0 if same and rc == 0 else 1)
+EOF
+  RC[auto]=$?
+fi
+
 # Summary: one screen, last; also kept as $OUT/summary.txt.
 {
 echo
@@ -192,6 +242,11 @@ if la.exists():
     names = ("model", "small", "smollm2", "hybrid")
     rows = [ln for ln in la.read_text().splitlines() if ln.split()[:1] and ln.split()[0] in names]
     print("\n".join(rows) or "(no table; see lookahead.log)")
+auto = out / "auto.log"
+if auto.exists():
+    keep = ("auto:", "batch", "warmed")
+    lines = auto.read_text().splitlines()
+    print("\n".join(ln for ln in lines if ln.startswith(keep) or ln[:5].strip().isdigit()))
 fr = out / "frames.log"
 if fr.exists():
     lines = fr.read_text().splitlines()

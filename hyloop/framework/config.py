@@ -71,7 +71,10 @@ class CacheSection(_Section):
 class GraphsSection(_Section):
     backend: Literal["auto", "eager", "compile", "cuda_graph"] = Field(
         "auto",
-        description="how the decode step runs; auto: cuda_graph on CUDA, compile on CPU",
+        description=(
+            "how the decode step runs; auto: cuda_graph on CUDA, compile on CPU, for the "
+            "buckets a job pays for (planned at its first decode step), eager for the rest"
+        ),
     )
     buckets: list[int] = Field(
         default_factory=lambda: [1, 2, 4, 8, 16, 32], description="decode batch buckets"

@@ -175,13 +175,13 @@ class ModelRunner:
         if not timed:
             return self._execute(prepared, keep_logits, on_staged)
         # A CPU step is synchronous: its wall time is the step's time.
-        replays = self.graph_runner.stats()["graph_replays"] if self.graph_runner else 0
+        replays = self.graph_runner.replays if self.graph_runner else 0
         t0 = time.perf_counter()
         out = self._execute(prepared, keep_logits, on_staged)
         elapsed = time.perf_counter() - t0
         n = len(prepared.batch.chunks)
         if n <= self.buckets[-1]:  # split batches are left out: no bucket's figure
-            now = self.graph_runner.stats()["graph_replays"] if self.graph_runner else 0
+            now = self.graph_runner.replays if self.graph_runner else 0
             path = self.backend if now > replays else "eager"
             bucket = pick_bucket(self.buckets, n)
             assert bucket is not None and self.history is not None

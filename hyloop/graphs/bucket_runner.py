@@ -327,6 +327,11 @@ class BucketRunner:
 
     # -- report ---------------------------------------------------------------------------------
     @property
+    def replays(self) -> int:
+        """Replays so far (cheap: read every step)."""
+        return self._counts["graph_replays"]
+
+    @property
     def capture_seconds(self) -> float:
         return self._capture_s
 
