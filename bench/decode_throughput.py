@@ -12,7 +12,10 @@ weight once (``weight_bytes / read_bandwidth``, the bandwidth measured in the sa
 model's own Linear shapes at 16 rows through the kernels the engine chose, measured in the same
 run). Batch 1 is bound by the first, larger batches approach the second.
 
-    python bench/decode_throughput.py [--quick] [--json PATH] [--model CKPT] [--backend auto]
+    python bench/decode_throughput.py [--quick] [--json PATH] [--model CKPT] [--backend compile]
+
+The captured step is what is measured: ``compile`` (``graphs.backend=auto`` would capture only
+what each wave's job pays for and run the rest eagerly).
 """
 
 from __future__ import annotations
@@ -254,7 +257,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="fewer new tokens (a smoke run)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--model", help="HF checkpoint dir or .gguf (default: SmolLM2-135M GGUF)")
-    p.add_argument("--backend", default="auto", help="hyloop graphs.backend override")
+    p.add_argument("--backend", default="compile", help="hyloop graphs.backend override")
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated")
     p.add_argument("--batches", default="1,16", help="comma-separated batch sizes")
     p.add_argument("--new-tokens", type=int, default=None, help="default 64 (--quick: 16)")
