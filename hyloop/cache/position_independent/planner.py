@@ -1,0 +1,187 @@
+"""Plan a prompt's reuse after its exact-prefix match: which positions come from a donor.
+
+Every chunk of the unmatched tail is looked up; a candidate is used only once its tokens equal
+the prompt's, and a used hit is then extended token by token to the left and right against the
+donor's own tokens (content-defined boundaries near a document's edges depend on the text around
+it, so whole-chunk hits alone lose most of a short document). Extending right may continue past
+the anchor into the donor's descendants, following the prompt's tokens down the tree.
+
+The plan is a list of segments covering ``[0, len(tokens))``: the exact prefix, reused runs
+(donor node, source position, length) and computed runs. The first ``recompute_tokens`` of each
+reused run are computed instead: they re-establish the run's attention to what now precedes it.
+The planner only reads the tree; the caller locks each reused run's ``node`` before evicting
+anything and releases it once the run is copied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+
+from hyloop.cache.key import TOKEN_BYTES
+from hyloop.cache.node import FULL, TreeNode
+from hyloop.cache.position_independent.chunker import fingerprint
+from hyloop.cache.position_independent.index import DonorIndex, path_to, path_tokens
+
+
+@dataclass(frozen=True)
+class Segment:
+    kind: Literal["exact", "reused", "computed"]
+    start: int  # position in the prompt
+    length: int
+    src_start: int = -1  # reused: donor position of the first token
+    node: TreeNode | None = None  # reused: lock this node (its root path holds the donor run)
+    src_slots: torch.Tensor | None = None  # reused: the donor's KV slots, one per token
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    @property
+    def delta(self) -> int:
+        return self.start - self.src_start
+
+
+@dataclass(frozen=True)
+class ReusePlan:
+    segments: list[Segment]
+
+    @property
+    def reused(self) -> list[Segment]:
+        return [s for s in self.segments if s.kind == "reused"]
+
+    @property
+    def reused_tokens(self) -> int:
+        return sum(s.length for s in self.reused)
+
+
+class _Donor:
+    """A donor path's tokens, found once per plan."""
+
+    def __init__(self, node: TreeNode) -> None:
+        self.path = path_to(node)
+        self.tokens = path_tokens(self.path)
+
+
+def _common_run(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
+class ReusePlanner:
+    def __init__(self, index: DonorIndex, page_size: int = 1, recompute_tokens: int = 0) -> None:
+        if recompute_tokens < 0:
+            raise ValueError(f"recompute_tokens must be >= 0, got {recompute_tokens}")
+        self.index = index
+        self.page_size = page_size
+        self.recompute_tokens = recompute_tokens
+
+    def plan(
+        self, tokens: list[int] | np.ndarray, cached: int, extra_key: Hashable = None
+    ) -> ReusePlan:
+        """Segments for ``tokens`` (the prompt positions the prefill may skip) given an exact
+        prefix of ``cached`` tokens."""
+        ids = np.ascontiguousarray(np.asarray(tokens, dtype="<i8"))
+        n = len(ids)
+        lo = max(cached, self.index.chunker.params.sink_tokens)
+        runs: list[tuple[int, int, int, TreeNode, _Donor]] = []  # start, end, src, node, donor
+        covered = lo
+        if n - lo >= self.index.chunker.params.min_chunk:
+            self.index.flush()
+            donors: dict[int, _Donor] = {}
+            for start, end, _ in self.index.chunker.cuts(ids):
+                if start < covered:
+                    continue
+                hit = self._confirm(ids, start, end, extra_key, donors)
+                if hit is None:
+                    continue
+                src, donor = hit
+                run = self._extend(ids, start, end, src, donor, covered)
+                runs.append(run)
+                covered = run[1]
+        return self._segments(n, cached, runs)
+
+    def _confirm(
+        self, ids: np.ndarray, start: int, end: int, extra_key: Hashable, donors: dict[int, _Donor]
+    ) -> tuple[int, _Donor] | None:
+        chunk = ids[start:end]
+        fp = fingerprint(chunk)
+        for e in self.index.lookup(extra_key, fp):
+            if e.end - e.start != end - start:
+                continue
+            donor = donors.get(e.anchor.id)
+            if donor is None:
+                donor = donors[e.anchor.id] = _Donor(e.anchor)
+            # NOTE: a fingerprint only nominates; equal tokens decide.
+            if np.array_equal(donor.tokens[e.start : e.end], chunk):
+                return e.start, donor
+        return None
+
+    def _extend(
+        self, ids: np.ndarray, start: int, end: int, src: int, donor: _Donor, left_limit: int
+    ) -> tuple[int, int, int, TreeNode, _Donor]:
+        d = donor.tokens
+        # Left: back toward the previous run (or the exact prefix), while tokens agree.
+        room = min(start - left_limit, src)
+        k = _common_run(ids[start - room : start][::-1], d[src - room : src][::-1])
+        start, src = start - k, src - k
+        # Right: along the donor path, then down its subtree following the prompt.
+        pos = end + _common_run(ids[end:], d[src + (end - start) :])
+        node = donor.path[-1]
+        d_end = src + (pos - start)
+        while d_end == node.depth and pos < len(ids):
+            child = self._child(node, ids, pos)
+            if child is None:
+                break
+            m = _common_run(ids[pos:], np.frombuffer(child.key, dtype="<i8"))
+            if m == 0:
+                break
+            donor.path.append(child)
+            node, pos, d_end = child, pos + m, d_end + m
+        if node is not donor.path[-1]:
+            donor.tokens = path_tokens(donor.path)
+        return start, pos, src, node, donor
+
+    def _child(self, node: TreeNode, ids: np.ndarray, pos: int) -> TreeNode | None:
+        ps = self.page_size
+        if pos + ps <= len(ids):
+            child = node.children.get(ids[pos : pos + ps].tobytes())
+            if child is not None:
+                return child
+        first = ids[pos : pos + 1].tobytes()
+        for child in node.children.values():
+            if child.key[:TOKEN_BYTES] == first:
+                return child
+        return None
+
+    def _segments(
+        self, n: int, cached: int, runs: list[tuple[int, int, int, TreeNode, _Donor]]
+    ) -> ReusePlan:
+        segs: list[Segment] = []
+        if cached:
+            segs.append(Segment("exact", 0, cached))
+        pos = cached
+        r = self.recompute_tokens
+        for start, end, src, node, donor in runs:
+            start, src = start + r, src + r
+            if end - start <= 0:
+                continue
+            if start > pos:
+                segs.append(Segment("computed", pos, start - pos))
+            slots = _path_slots(donor.path, node)[src : src + end - start]
+            segs.append(Segment("reused", start, end - start, src, node, slots))
+            pos = end
+        if n > pos:
+            segs.append(Segment("computed", pos, n - pos))
+        return ReusePlan(segs)
+
+
+def _path_slots(path: list[TreeNode], node: TreeNode) -> torch.Tensor:
+    """KV slots of the path from the root down to ``node`` (which is on ``path``)."""
+    upto = path.index(node) + 1
+    return torch.cat([n.component_data[FULL].value for n in path[:upto]])
