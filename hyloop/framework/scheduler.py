@@ -80,8 +80,9 @@ class Scheduler:
         for req in self.running:
             if req.prefill_done or budget <= 0:
                 continue
-            start = req.num_computed
-            length = min(len(req.prompt_ids) - start, self.prefill_chunk, budget)
+            start, stop = req.next_prefill_span()
+            req.num_computed = start  # reused spans were written at admission
+            length = min(stop - start, self.prefill_chunk, budget)
             if self._chunk_limit is not None:
                 length = self._chunk_limit(req, start, length)
             chunks.append(Chunk(req, start, length))
