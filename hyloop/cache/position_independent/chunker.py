@@ -106,17 +106,33 @@ class Chunker:
 
     def candidates(self, ids: np.ndarray) -> np.ndarray:
         """Positions ``i`` after which a chunk may end (the window is whole and the top bits 0)."""
+        return self.candidates_many([ids])[0]
+
+    def candidates_many(self, seqs: list[np.ndarray]) -> list[np.ndarray]:
+        """``candidates`` of several sequences with one hash pass over their concatenation (a
+        position's window never reaches back into the previous sequence: those are masked)."""
         p = self.params
-        h = rolling_hash(ids, p.window)
+        h = rolling_hash(np.concatenate(seqs) if len(seqs) > 1 else seqs[0], p.window)
         hit = (h >> self._shift) == 0
-        hit[: p.window - 1] = False  # a partial window would depend on the sequence start
-        return np.flatnonzero(hit)
+        out, offset = [], 0
+        for ids in seqs:
+            seg = hit[offset : offset + len(ids)]
+            seg[: p.window - 1] = False  # a partial window would depend on the sequence start
+            out.append(np.flatnonzero(seg))
+            offset += len(ids)
+        return out
 
     def cuts(self, ids: np.ndarray) -> list[tuple[int, int, bool]]:
         """``(start, end, closed)`` of every chunk of ``ids``, from ``sink_tokens`` on."""
+        return self.cuts_from(len(ids), self.candidates(ids))
+
+    def cuts_many(self, seqs: list[np.ndarray]) -> list[list[tuple[int, int, bool]]]:
+        cands = self.candidates_many(seqs) if seqs else []
+        return [self.cuts_from(len(ids), c) for ids, c in zip(seqs, cands, strict=True)]
+
+    def cuts_from(self, n: int, cand: np.ndarray) -> list[tuple[int, int, bool]]:
+        """The clamp pass over a sequence of ``n`` tokens with boundary candidates ``cand``."""
         p = self.params
-        n = len(ids)
-        cand = self.candidates(ids)
         out: list[tuple[int, int, bool]] = []
         s = p.sink_tokens
         while s < n:

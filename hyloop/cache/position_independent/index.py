@@ -84,16 +84,27 @@ class DonorIndex:
                 self.flush()
 
     def flush(self) -> None:
+        """Fingerprint every recorded commit (one hash pass over all of them)."""
         pending, self._pending = self._pending, []
-        for key, n, node in pending:
-            self._register(key, n, live_anchor(node))
+        if not pending:
+            return
+        nodes = [live_anchor(node) for _, _, node in pending]
+        # a removed tail takes its chunks with it
+        seqs = [
+            np.frombuffer(key.packed, dtype="<i8", count=min(n, node.depth))
+            for (key, n, _), node in zip(pending, nodes, strict=True)
+        ]
+        all_cuts = self.chunker.cuts_many(seqs)
+        for (key, _, _), node, ids, cuts in zip(pending, nodes, seqs, all_cuts, strict=True):
+            self._register(key, ids, node, cuts)
 
-    def _register(self, key: RadixKey, n: int, node: TreeNode) -> None:
-        n = min(n, node.depth)  # a removed tail takes its chunks with it
-        ids = np.frombuffer(key.packed, dtype="<i8", count=n)
-        cuts = [c for c in self.chunker.cuts(ids) if c[2]]
+    def _register(
+        self, key: RadixKey, ids: np.ndarray, node: TreeNode, cuts: list[tuple[int, int, bool]]
+    ) -> None:
         # Walk up from the deepest node; each chunk is anchored on the node holding its end.
-        for start, end, _ in reversed(cuts):
+        for start, end, closed in reversed(cuts):
+            if not closed:
+                continue
             while node.start_depth >= end:
                 assert node.parent is not None
                 node = node.parent

@@ -111,3 +111,11 @@ def test_bad_params_are_refused() -> None:
         ChunkerParams(min_chunk=600, max_chunk=512)
     with pytest.raises(ValueError, match="window"):
         ChunkerParams(window=65)
+
+
+def test_one_hash_pass_over_many_sequences_cuts_each_as_alone() -> None:
+    rng = np.random.default_rng(5)
+    chunker = Chunker()
+    seqs = [rng.integers(0, 50_000, int(n)) for n in rng.integers(1, 1500, 12)]
+    assert chunker.cuts_many(seqs) == [chunker.cuts(s) for s in seqs]
+    assert chunker.cuts_many([]) == []
