@@ -92,6 +92,14 @@ class Request:
         return start, stop
 
     @property
+    def prefill_remaining(self) -> int:
+        """Prompt positions still to compute (reused spans were written at admission)."""
+        left = len(self.prompt_ids) - self.num_computed
+        for s, e in self.reused_spans:
+            left -= max(0, e - max(s, self.num_computed))
+        return left
+
+    @property
     def prefill_done(self) -> bool:
         return self.num_computed >= len(self.prompt_ids)
 
