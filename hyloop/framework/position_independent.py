@@ -11,13 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
+import numpy as np
 import torch
 
-from hyloop.cache import RadixKey, TreeNode, UnifiedRadixCache
+from hyloop.cache import InsertResult, RadixKey, UnifiedRadixCache
 from hyloop.cache.position_independent.chunker import Chunker, ChunkerParams
 from hyloop.cache.position_independent.index import DonorIndex
 from hyloop.cache.position_independent.planner import ReusePlan, ReusePlanner
 from hyloop.framework.config import PositionIndependentSection
+from hyloop.framework.request import Request
 from hyloop.models.kv_shift import KVShifter
 from hyloop.pools import KVPool
 
@@ -49,12 +51,18 @@ class PositionIndependentReuse:
         self.kv = kv
         self.shifter = shifter
 
-    def note(self, key: RadixKey, num_tokens: int, last_node: TreeNode) -> None:
-        self.index.note(key, num_tokens, last_node)
+    def note(self, req: Request, key: RadixKey, r: InsertResult) -> None:
+        """``req`` committed ``key``; the tree now holds its first ``r.aligned_len`` tokens."""
+        rows = None
+        if req.prompt_rows is not None:  # row models: full rows confirm a hit
+            rows = _rows(req)[: r.aligned_len]
+        self.index.note(key, r.aligned_len, r.last_node, r.prefix_len, rows)
 
-    def plan(self, prompt_ids: list[int], cached: int, extra_key: Hashable = None) -> ReusePlan:
+    def plan(self, req: Request, cached: int, extra_key: Hashable = None) -> ReusePlan:
         """Reuse for the prompt positions before the last (whose logits the prefill needs)."""
-        return self.planner.plan(prompt_ids[:-1], cached, extra_key)
+        n = len(req.prompt_ids) - 1
+        rows = req.prompt_rows[:n].numpy() if req.prompt_rows is not None else None
+        return self.planner.plan(req.prompt_ids[:n], cached, extra_key, rows)
 
     def realise(self, plan: ReusePlan, slots: torch.Tensor) -> None:
         """Write every reused run into ``slots`` (the request's own pages at those positions)."""
@@ -69,3 +77,12 @@ class PositionIndependentReuse:
 
     def check(self) -> None:
         self.index.check()
+
+
+def _rows(req: Request) -> np.ndarray:
+    assert req.prompt_rows is not None and req.output_rows is not None
+    prompt = req.prompt_rows.numpy()
+    if not req.output_rows:
+        return prompt
+    out = np.asarray(req.output_rows, dtype=np.int64).reshape(-1, prompt.shape[1])
+    return np.concatenate([prompt, out])

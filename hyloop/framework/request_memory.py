@@ -79,7 +79,7 @@ class RequestMemory:
         own_tokens = len(req.prompt_ids) + req.max_new - cached
         # NOTE: lock the hit before evicting for room, so eviction cannot take the hit itself.
         lock = self.cache.inc_lock_ref(m.last_node)
-        plan = self.pi.plan(req.prompt_ids, cached) if self.pi is not None else None
+        plan = self.pi.plan(req, cached) if self.pi is not None else None
         # NOTE: donors stay locked from the plan until their runs are copied.
         donors = [self.cache.inc_lock_ref(s.node) for s in plan.reused] if plan else []
         enough = self._ensure_pages(self.kv.pages_for(own_tokens))
@@ -162,7 +162,7 @@ class RequestMemory:
         r = self.cache.insert(InsertParams(key=key, value=req.slots[:n], recurrent_slot=state_slot))
         self._settle_state_slot(state_slot, r)
         if self.pi is not None:
-            self.pi.note(key, r.aligned_len, r.last_node)
+            self.pi.note(req, key, r)
         if r.prefix_len > req.own_from:
             # The tree freed our copies of positions it already held: read its pages instead.
             m = self.cache.match_prefix(
@@ -195,7 +195,7 @@ class RequestMemory:
                 InsertParams(key=key, value=req.slots[:n], recurrent_slot=snapshot)
             )
             if self.pi is not None:
-                self.pi.note(key, r.aligned_len, r.last_node)
+                self.pi.note(req, key, r)
             if snapshot is not None and r.recurrent_taken:
                 state = 0  # handed to the tree (stored, or freed as a duplicate)
             if snapshot is not None:

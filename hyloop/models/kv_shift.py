@@ -105,11 +105,6 @@ def shifter_for(model: torch.nn.Module) -> KVShifter:
             f"cache.position_independent: {name} has recurrent layers, whose state is not "
             "position-addressable; position-independent reuse needs an attention-only model"
         )
-    if getattr(model, "is_row_model", False):
-        raise ValueError(
-            f"cache.position_independent: {name} is a multi-channel row model; its prompt keys "
-            "are row hashes and reuse would need full-row confirmation, which is not built"
-        )
     spec = getattr(model, "spec", None)
     if getattr(spec, "sliding_window", None) or getattr(model, "sliding_window", None):
         raise ValueError(

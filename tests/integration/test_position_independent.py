@@ -96,6 +96,30 @@ def test_layer0_k_after_the_shift_equals_k_at_the_new_positions(
     assert (k_donor[40 : 40 + len(doc)] - k_reused[span]).abs().max() > 0.05
 
 
+def test_row_model_reuses_equal_rows(row_ckpt) -> None:
+    """Rows: a document of rows behind other rows is reused (full rows confirmed) and its
+    layer-0 K equals the K computed at the new positions."""
+    g = torch.Generator().manual_seed(3)
+
+    def rows(n: int) -> list[list[int]]:
+        text = torch.randint(3, 64, (n, 1), generator=g)
+        return torch.cat([text, torch.randint(0, 32, (n, 3), generator=g)], 1).tolist()
+
+    doc = rows(250)
+    donor, query = rows(40) + doc + rows(2), rows(70) + doc + rows(3)
+    with LLM(model=row_ckpt, overrides=PI) as llm:
+        llm.generate([donor], ONE, use_tqdm=False)
+        out = llm.generate([query], ONE, use_tqdm=False)[0]
+        llm.engine.check_invariants()
+        assert out.num_reused_tokens >= 200
+        k_reused, _ = tree_kv(llm, out.prompt_token_ids[:-1])
+    with LLM(model=row_ckpt, overrides=["graphs.backend=eager"]) as llm:
+        out_ref = llm.generate([query], ONE, use_tqdm=False)[0]
+        k_ref, _ = tree_kv(llm, out_ref.prompt_token_ids[:-1])
+    span = slice(70, 70 + len(doc))
+    torch.testing.assert_close(k_reused[span], k_ref[span], atol=1e-5, rtol=0)
+
+
 def test_reuse_is_off_by_default_and_refused_where_kv_cannot_move(hybrid_ckpts, tmp_path) -> None:
     assert load_config().cache.position_independent.enable is False
     with pytest.raises(ConfigError, match="position_independent.enable needs the prefix cache"):

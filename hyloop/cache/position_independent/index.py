@@ -7,8 +7,13 @@ When the tree deletes an anchor, its entries move to the parent if the parent st
 whole chunk, and are dropped otherwise (``on_node_deleted``): an entry never names a freed page.
 
 Registration is split so inserting stays cheap: ``note`` records a committed key and its last
-node in O(1); ``flush`` fingerprints everything recorded since, in one vectorised pass per key,
-before the next lookup. Hits are candidates only: the planner confirms each by token equality.
+node in O(1); ``flush`` fingerprints everything recorded since, in one vectorised pass, before
+the next lookup. Chunks wholly inside what the tree held before the insert are skipped (their
+inserter filed them). Hits are candidates only: the planner confirms each by token equality.
+
+Row models key a row ``[C]`` by a folded hash, so equal keys do not prove equal rows: their
+entries carry the donor's rows (``[n, C]``, shared by the entries of one commit) and the planner
+compares full rows.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class DonorEntry:
     start: int  # donor position of the chunk's first token
     end: int  # one past its last token
     anchor: TreeNode
+    rows: np.ndarray | None = None  # row models: the donor's rows [n, C] from position 0
 
 
 def live_anchor(node: TreeNode) -> TreeNode:
@@ -70,16 +76,24 @@ class DonorIndex:
         self.force_collisions = force_collisions
         self._by_key: dict[tuple[Hashable, int], list[DonorEntry]] = {}
         self._by_anchor: dict[int, list[DonorEntry]] = {}
-        self._pending: list[tuple[RadixKey, int, TreeNode]] = []
+        self._pending: list[tuple[RadixKey, int, int, TreeNode, np.ndarray | None]] = []
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._by_key.values())
 
     # -- registration ---------------------------------------------------------------------------
-    def note(self, key: RadixKey, num_tokens: int, last_node: TreeNode) -> None:
-        """Record that the tree holds ``key[:num_tokens]`` on the path to ``last_node``."""
-        if num_tokens >= self.chunker.params.sink_tokens + self.chunker.params.min_chunk:
-            self._pending.append((key, num_tokens, last_node))
+    def note(
+        self,
+        key: RadixKey,
+        num_tokens: int,
+        last_node: TreeNode,
+        held_before: int = 0,
+        rows: np.ndarray | None = None,
+    ) -> None:
+        """Record that the tree holds ``key[:num_tokens]`` on the path to ``last_node``, of
+        which it held ``key[:held_before]`` already; ``rows`` for row models."""
+        if num_tokens - max(held_before, self.chunker.params.sink_tokens) > 0:
+            self._pending.append((key, num_tokens, held_before, last_node, rows))
             if len(self._pending) >= MAX_PENDING:
                 self.flush()
 
@@ -88,28 +102,36 @@ class DonorIndex:
         pending, self._pending = self._pending, []
         if not pending:
             return
-        nodes = [live_anchor(node) for _, _, node in pending]
+        nodes = [live_anchor(p[3]) for p in pending]
         # a removed tail takes its chunks with it
         seqs = [
-            np.frombuffer(key.packed, dtype="<i8", count=min(n, node.depth))
-            for (key, n, _), node in zip(pending, nodes, strict=True)
+            np.frombuffer(p[0].packed, dtype="<i8", count=min(p[1], node.depth))
+            for p, node in zip(pending, nodes, strict=True)
         ]
         all_cuts = self.chunker.cuts_many(seqs)
-        for (key, _, _), node, ids, cuts in zip(pending, nodes, seqs, all_cuts, strict=True):
-            self._register(key, ids, node, cuts)
+        for p, node, ids, cuts in zip(pending, nodes, seqs, all_cuts, strict=True):
+            self._register(p[0].extra_key, ids, node, cuts, p[2], p[4])
 
     def _register(
-        self, key: RadixKey, ids: np.ndarray, node: TreeNode, cuts: list[tuple[int, int, bool]]
+        self,
+        extra_key: Hashable,
+        ids: np.ndarray,
+        node: TreeNode,
+        cuts: list[tuple[int, int, bool]],
+        held_before: int,
+        rows: np.ndarray | None,
     ) -> None:
         # Walk up from the deepest node; each chunk is anchored on the node holding its end.
         for start, end, closed in reversed(cuts):
+            if end <= held_before:
+                break
             if not closed:
                 continue
             while node.start_depth >= end:
                 assert node.parent is not None
                 node = node.parent
             fp = 0 if self.force_collisions else fingerprint(ids[start:end])
-            self._add(DonorEntry(key.extra_key, fp, start, end, node))
+            self._add(DonorEntry(extra_key, fp, start, end, node, rows))
 
     def _add(self, entry: DonorEntry) -> None:
         bucket = self._by_key.setdefault((entry.extra_key, entry.fingerprint), [])
@@ -186,6 +208,8 @@ class DonorIndex:
                 )
                 if want != fp:
                     raise AssertionError(f"index: entry {e.start}:{e.end} fingerprint is stale")
+                if e.rows is not None and len(e.rows) < e.end:
+                    raise AssertionError(f"index: entry {e.start}:{e.end} has too few rows")
                 if e not in self._by_anchor.get(a.id, ()):
                     raise AssertionError(f"index: entry {e.start}:{e.end} missing from node {a.id}")
         anchored = sum(len(v) for v in self._by_anchor.values())

@@ -6,6 +6,9 @@ donor's own tokens (content-defined boundaries near a document's edges depend on
 it, so whole-chunk hits alone lose most of a short document). Extending right may continue past
 the anchor into the donor's descendants, following the prompt's tokens down the tree.
 
+Row models pass their rows: a hit then needs equal rows, not only equal keys, and extension
+compares rows too, as far as the donor's recorded rows reach.
+
 The plan is a list of segments covering ``[0, len(tokens))``: the exact prefix, reused runs
 (donor node, source position, length) and computed runs. The first ``recompute_tokens`` of each
 reused run are computed instead: they re-establish the run's attention to what now precedes it.
@@ -60,16 +63,25 @@ class ReusePlan:
 
 
 class _Donor:
-    """A donor path's tokens, found once per plan."""
+    """A donor path's tokens (and rows, for row models), found once per plan."""
 
-    def __init__(self, node: TreeNode) -> None:
+    def __init__(self, node: TreeNode, rows: np.ndarray | None) -> None:
         self.path = path_to(node)
         self.tokens = path_tokens(self.path)
+        self.rows = rows
+
+    def limit(self) -> int:
+        """Donor positions extension may reach: the path, or (row models) the recorded rows."""
+        return len(self.tokens) if self.rows is None else min(len(self.tokens), len(self.rows))
 
 
 def _common_run(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the common leading run of ``a`` and ``b`` (1-D ids, or 2-D rows compared whole)."""
     n = min(len(a), len(b))
-    diff = np.flatnonzero(a[:n] != b[:n])
+    ne = a[:n] != b[:n]
+    if ne.ndim > 1:
+        ne = ne.any(axis=1)
+    diff = np.flatnonzero(ne)
     return int(diff[0]) if len(diff) else n
 
 
@@ -82,59 +94,87 @@ class ReusePlanner:
         self.recompute_tokens = recompute_tokens
 
     def plan(
-        self, tokens: list[int] | np.ndarray, cached: int, extra_key: Hashable = None
+        self,
+        tokens: list[int] | np.ndarray,
+        cached: int,
+        extra_key: Hashable = None,
+        rows: np.ndarray | None = None,
     ) -> ReusePlan:
         """Segments for ``tokens`` (the prompt positions the prefill may skip) given an exact
-        prefix of ``cached`` tokens."""
+        prefix of ``cached`` tokens; ``rows [len(tokens), C]`` for row models."""
         ids = np.ascontiguousarray(np.asarray(tokens, dtype="<i8"))
+        if rows is not None and len(rows) != len(ids):
+            raise ValueError(f"plan: {len(rows)} rows for {len(ids)} keys")
         n = len(ids)
         lo = max(cached, self.index.chunker.params.sink_tokens)
         runs: list[tuple[int, int, int, TreeNode, _Donor]] = []  # start, end, src, node, donor
         covered = lo
         if n - lo >= self.index.chunker.params.min_chunk:
             self.index.flush()
-            donors: dict[int, _Donor] = {}
+            donors: dict[tuple[int, int], _Donor] = {}
             for start, end, _ in self.index.chunker.cuts(ids):
                 if start < covered:
                     continue
-                hit = self._confirm(ids, start, end, extra_key, donors)
+                hit = self._confirm(ids, rows, start, end, extra_key, donors)
                 if hit is None:
                     continue
                 src, donor = hit
-                run = self._extend(ids, start, end, src, donor, covered)
+                run = self._extend(ids, rows, start, end, src, donor, covered)
                 runs.append(run)
                 covered = run[1]
         return self._segments(n, cached, runs)
 
     def _confirm(
-        self, ids: np.ndarray, start: int, end: int, extra_key: Hashable, donors: dict[int, _Donor]
+        self,
+        ids: np.ndarray,
+        rows: np.ndarray | None,
+        start: int,
+        end: int,
+        extra_key: Hashable,
+        donors: dict[tuple[int, int], _Donor],
     ) -> tuple[int, _Donor] | None:
         chunk = ids[start:end]
         fp = fingerprint(chunk)
         for e in self.index.lookup(extra_key, fp):
-            if e.end - e.start != end - start:
+            if e.end - e.start != end - start or (rows is None) != (e.rows is None):
                 continue
-            donor = donors.get(e.anchor.id)
+            key = (e.anchor.id, id(e.rows))
+            donor = donors.get(key)
             if donor is None:
-                donor = donors[e.anchor.id] = _Donor(e.anchor)
-            # NOTE: a fingerprint only nominates; equal tokens decide.
-            if np.array_equal(donor.tokens[e.start : e.end], chunk):
-                return e.start, donor
+                donor = donors[key] = _Donor(e.anchor, e.rows)
+            # NOTE: a fingerprint only nominates; equal tokens (full rows) decide.
+            if not np.array_equal(donor.tokens[e.start : e.end], chunk):
+                continue
+            if rows is not None and not np.array_equal(
+                donor.rows[e.start : e.end], rows[start:end]
+            ):
+                continue
+            return e.start, donor
         return None
 
     def _extend(
-        self, ids: np.ndarray, start: int, end: int, src: int, donor: _Donor, left_limit: int
+        self,
+        ids: np.ndarray,
+        rows: np.ndarray | None,
+        start: int,
+        end: int,
+        src: int,
+        donor: _Donor,
+        left_limit: int,
     ) -> tuple[int, int, int, TreeNode, _Donor]:
-        d = donor.tokens
+        mine, theirs = (ids, donor.tokens) if rows is None else (rows, donor.rows)
+        assert theirs is not None
+        limit = donor.limit()
         # Left: back toward the previous run (or the exact prefix), while tokens agree.
         room = min(start - left_limit, src)
-        k = _common_run(ids[start - room : start][::-1], d[src - room : src][::-1])
+        k = _common_run(mine[start - room : start][::-1], theirs[src - room : src][::-1])
         start, src = start - k, src - k
-        # Right: along the donor path, then down its subtree following the prompt.
-        pos = end + _common_run(ids[end:], d[src + (end - start) :])
+        # Right: along the donor path, then (token models) down its subtree after the prompt.
+        d_pos = src + (end - start)
+        pos = end + _common_run(mine[end:], theirs[d_pos:limit])
         node = donor.path[-1]
         d_end = src + (pos - start)
-        while d_end == node.depth and pos < len(ids):
+        while rows is None and d_end == node.depth and pos < len(ids):
             child = self._child(node, ids, pos)
             if child is None:
                 break

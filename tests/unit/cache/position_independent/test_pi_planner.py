@@ -177,3 +177,26 @@ def test_randomized_index_ledger() -> None:
                 w.cache.dec_lock_ref(lock)
         w.check()
         assert w.alloc.available_size() + w.cache.total_size() == w.alloc.capacity
+
+
+def test_row_models_need_equal_rows_not_only_equal_keys() -> None:
+    """Row keys are folded hashes: a donor whose keys match but whose rows differ is refused."""
+    rng = np.random.default_rng(7)
+    w = World()
+    keys = rand(rng, 40) + rand(rng, 900)
+    rows = rng.integers(0, 32, (len(keys), 4))
+    slots = w.alloc.alloc(len(keys))
+    assert slots is not None
+    key = RadixKey(keys)
+    r = w.cache.insert(InsertParams(key=key, value=slots))
+    w.index.note(key, r.aligned_len, r.last_node, rows=rows)
+    query_keys = rand(rng, 60) + keys[40:]
+    same = np.concatenate([rng.integers(0, 32, (60, 4)), rows[40:]])
+    other = same.copy()
+    other[600, 2] += 1  # one channel of one row differs; its key (here) does not
+    assert w.planner.plan(query_keys, 0, rows=same).reused_tokens > 850
+    plan = w.planner.plan(query_keys, 0, rows=other)
+    assert plan.reused_tokens > 300  # the rows around the differing one are still reused
+    for s in plan.reused:  # reuse may stop at the differing row, never cover it
+        assert not s.start <= 600 < s.end
+    assert w.planner.plan(query_keys, 0).reused_tokens == 0  # a token plan never takes row donors
