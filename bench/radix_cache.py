@@ -92,7 +92,7 @@ def run(page_size: int, reuse: bool = False) -> dict[str, Any]:
     def insert(p: InsertParams) -> Any:
         r = cache.insert(p)
         if index is not None:
-            index.note(p.key, r.aligned_len, r.last_node)
+            index.note(p.key, r.aligned_len, r.last_node, r.prefix_len)
         return r
 
     for i, s in enumerate(seqs):
