@@ -174,6 +174,7 @@ class ReusePlanner:
         pos = end + _common_run(mine[end:], theirs[d_pos:limit])
         node = donor.path[-1]
         d_end = src + (pos - start)
+        descended = False
         while rows is None and d_end == node.depth and pos < len(ids):
             child = self._child(node, ids, pos)
             if child is None:
@@ -182,8 +183,8 @@ class ReusePlanner:
             if m == 0:
                 break
             donor.path.append(child)
-            node, pos, d_end = child, pos + m, d_end + m
-        if node is not donor.path[-1]:
+            node, pos, d_end, descended = child, pos + m, d_end + m, True
+        if descended:  # later hits on this donor see the longer path
             donor.tokens = path_tokens(donor.path)
         return start, pos, src, node, donor
 

@@ -200,3 +200,25 @@ def test_row_models_need_equal_rows_not_only_equal_keys() -> None:
     for s in plan.reused:  # reuse may stop at the differing row, never cover it
         assert not s.start <= 600 < s.end
     assert w.planner.plan(query_keys, 0).reused_tokens == 0  # a token plan never takes row donors
+
+
+def test_extension_follows_the_prompt_down_the_donor_subtree() -> None:
+    """Only the first part of the document was filed; the rest lies in a child node the index
+    never saw. Extending right walks down into it."""
+    rng = np.random.default_rng(8)
+    w = World()
+    head, doc = rand(rng, 40), rand(rng, 900)
+    w.insert(head + doc[:700])
+    slots = w.alloc.alloc(940)
+    assert slots is not None
+    r = w.cache.insert(InsertParams(key=RadixKey(head + doc), value=slots))  # not filed
+    for s, t in zip(slots[r.prefix_len :].tolist(), (head + doc)[r.prefix_len :], strict=True):
+        w.token_at[s] = t
+    w.index.flush()
+    assert all(e.end <= 740 for b in w.index._by_key.values() for e in b)
+    query = rand(rng, 70) + doc + rand(rng, 5)
+    plan = w.planner.plan(query, 0)
+    w.check_plan(query, plan)
+    last = plan.reused[-1]
+    assert last.end == 70 + 900 and last.node is not None and last.node.depth == 940
+    assert plan.reused_tokens > 850
