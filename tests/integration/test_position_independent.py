@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -14,9 +15,13 @@ import pytest
 import torch
 
 from hyloop import LLM, SamplingParams
-from hyloop.cache import EvictParams, EvictResult, MatchPrefixParams, RadixKey
+from hyloop.cache import EvictParams, EvictResult, MatchPrefixParams, RadixKey, UnifiedRadixCache
 from hyloop.framework.config import ConfigError, load_config
+from hyloop.framework.position_independent import PositionIndependentReuse
 from hyloop.framework.summary import render_summary
+from hyloop.models.kv_shift import KVShifter, shifter_for
+from hyloop.models.layers.rope import RopeSpec
+from hyloop.pools import KVPool
 
 PI = [
     "graphs.backend=eager",
@@ -128,6 +133,16 @@ def test_reuse_is_off_by_default_and_refused_where_kv_cannot_move(hybrid_ckpts, 
         load_config(overrides=["cache.position_independent.min_chunk=600"])
     with pytest.raises(ValueError, match="recurrent layers"):
         LLM(model=hybrid_ckpts["qwen3_5"], overrides=PI)
+    # Sliding-window attention: refused by the model check and by the cache's components.
+    windowed = torch.nn.Module()
+    windowed.spec = SimpleNamespace(sliding_window=512, rope=RopeSpec(10000.0, 32))
+    with pytest.raises(ValueError, match="sliding-window layers"):
+        shifter_for(windowed)
+    kv = KVPool(1, 8, 1, 1, 32, torch.float32, "cpu")
+    swa = UnifiedRadixCache(kv.allocator, components=("full", "swa"), sliding_window=64)
+    section = load_config().cache.position_independent
+    with pytest.raises(ValueError, match="full-attention KV only"):
+        PositionIndependentReuse(swa, kv, KVShifter(RopeSpec(10000.0, 32)), section)
 
 
 def test_randomized_ledger_with_eviction_and_aborts(tiny_ckpts) -> None:
