@@ -112,7 +112,7 @@ def build_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
     cache = build_cache(cfg, kv, recurrent)
     pi_reuse = None
     if cfg.cache.position_independent.enable:
-        # Refuses, naming why, models whose KV cannot move (recurrent, row, sliding window).
+        # Refuses, naming why, models whose KV cannot move (recurrent, sliding window).
         shifter = shifter_for(model)
         assert isinstance(cache, UnifiedRadixCache)
         pi_reuse = PositionIndependentReuse(cache, kv, shifter, cfg.cache.position_independent)

@@ -6,7 +6,9 @@ Every page and state slot a request touches passes through here, so the ledger
 Lifecycle of a request:
 1. ``admit``: match the prompt in the UHRC, lock the hit, reserve KV pages for the rest of the
    request (evicting unlocked tree entries if short), take a working state slot and, on a
-   recurrent hit, copy-on-write the node's snapshot into it while the node is locked.
+   recurrent hit, copy-on-write the node's snapshot into it while the node is locked. With
+   position-independent reuse, the unmatched tail is planned too: each reused run's donor is
+   locked before anything is evicted and its KV moved into the request's pages before release.
 2. ``commit``: as prefill chunks complete (and at track boundaries for hybrid models), insert the
    computed prefix; the tree takes its page-aligned part, the request re-points any duplicate
    positions to the tree's pages and moves its lock to the new node.
