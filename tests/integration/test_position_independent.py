@@ -125,6 +125,30 @@ def test_row_model_reuses_equal_rows(row_ckpt) -> None:
     torch.testing.assert_close(k_reused[span], k_ref[span], atol=1e-5, rtol=0)
 
 
+def test_forced_collisions_change_nothing(tiny_ckpts) -> None:
+    """Every chunk filed under one fingerprint: each lookup returns every donor, and the token
+    check must pick exactly the runs true fingerprints find (zero false matches)."""
+    g = torch.Generator().manual_seed(5)
+    docs = [rand(g, 500) for _ in range(4)]
+    register = [rand(g, 40) + d for d in docs]
+    queries = [
+        rand(g, 50) + docs[i] + rand(g, 3) + docs[j] + rand(g, 4) for i, j in [(0, 1), (2, 3)]
+    ]
+    queries.append(rand(g, 600))  # nothing to reuse: every candidate must be refused
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    runs = []
+    for force in (False, True):
+        with LLM(model=tiny_ckpts["llama"], overrides=PI) as llm:
+            index = llm.engine.memory.pi.index
+            index.force_collisions, index.max_donors_per_key = force, 1000
+            llm.generate(register, ONE, use_tqdm=False)
+            outs = llm.generate(queries, params, use_tqdm=False)
+            llm.engine.check_invariants()
+            runs.append([(o.num_reused_tokens, o.token_ids) for o in outs])
+    assert runs[0] == runs[1]
+    assert runs[0][0][0] > 700 and runs[0][1][0] > 700 and runs[0][2][0] == 0
+
+
 def test_reuse_is_off_by_default_and_refused_where_kv_cannot_move(hybrid_ckpts, tmp_path) -> None:
     assert load_config().cache.position_independent.enable is False
     with pytest.raises(ConfigError, match="position_independent.enable needs the prefix cache"):
