@@ -169,14 +169,17 @@ def test_reuse_is_off_by_default_and_refused_where_kv_cannot_move(hybrid_ckpts, 
         PositionIndependentReuse(swa, kv, KVShifter(RopeSpec(10000.0, 32)), section)
 
 
-def test_randomized_ledger_with_eviction_and_aborts(tiny_ckpts) -> None:
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_randomized_ledger_with_eviction_and_aborts(tiny_ckpts, lookahead: bool) -> None:
     """RAG-shaped traffic through a pool that must evict; requests aborted at random;
-    ``check_invariants`` (the index included) after every step."""
+    ``check_invariants`` (the index included) after every step; with and without lookahead
+    (admission, and so realisation, while a decode step is in flight)."""
     rng = np.random.default_rng(7)
     g = torch.Generator().manual_seed(7)
     docs = [rand(g, int(n)) for n in rng.integers(100, 300, 6)]
     overrides = [*PI[:2], "kv_pool.page_size=4", "kv_pool.num_pages=400"]
     overrides.append("cache.position_independent.recompute_tokens=8")
+    overrides += [f"lookahead.enable={lookahead}", "lookahead.min_batch=1"]
     with LLM(model=tiny_ckpts["llama"], overrides=overrides) as llm:
         engine = llm.engine
         live: list[str] = []
