@@ -6,7 +6,13 @@ sequence) plus a random suffix of 1..256 tokens; then 2000 queries (1/3 an exist
 unlock on the matched nodes; then evict 1024 tokens at a time until the tree is empty. Keys are
 built before timing (an engine builds a request's key once). Prints a table and writes JSON.
 
+``--reuse on`` attaches the position-independent donor index as the engine does: every insert
+also records its key for the index (timed with the insert), and the batched fingerprinting of
+what was recorded is timed on its own (``register``, per sequence). ``--reuse both`` runs off and
+on alternately, three times each, and compares the median insert p50s.
+
     python bench/radix_cache.py --page-size 1 --json /tmp/radix_ps1.json
+    python bench/radix_cache.py --page-size 16 --reuse both
 """
 
 from __future__ import annotations
@@ -22,9 +28,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from common import write_json  # noqa: E402
+from common import cpu_name, write_json  # noqa: E402
 
 from hyloop.cache import EvictParams, InsertParams, MatchPrefixParams, RadixKey, UnifiedRadixCache
+from hyloop.cache.position_independent.chunker import Chunker
+from hyloop.cache.position_independent.index import DonorIndex
 from hyloop.pools import PageAllocator
 
 VOCAB = 32000
@@ -66,7 +74,7 @@ def summarize(samples_us: list[float]) -> dict[str, float]:
     }
 
 
-def run(page_size: int) -> dict[str, Any]:
+def run(page_size: int, reuse: bool = False) -> dict[str, Any]:
     rng = random.Random(0)
     seqs, queries = make_workload(rng)
     total_tokens = sum(len(s) for s in seqs)
@@ -75,13 +83,27 @@ def run(page_size: int) -> dict[str, Any]:
     alloc = PageAllocator(num_pages, page_size)
     cache = UnifiedRadixCache(kv_allocator=alloc, page_size=page_size, components=("full",))
     results: dict[str, list[float]] = {"insert": [], "match": [], "lock_unlock": [], "evict": []}
+    index = None
+    if reuse:
+        index = DonorIndex(Chunker())
+        cache.delete_listeners.append(index.on_node_deleted)
+        results["register"] = []
 
-    for s in seqs:
+    def insert(p: InsertParams) -> Any:
+        r = cache.insert(p)
+        if index is not None:
+            index.note(p.key, r.aligned_len, r.last_node, r.prefix_len)
+        return r
+
+    for i, s in enumerate(seqs):
         value = alloc.alloc(len(s))
         assert value is not None, "allocator sized too small"
         params = InsertParams(key=RadixKey(s), value=value[: len(s)])
-        r, us = timed(lambda p=params: cache.insert(p))
+        r, us = timed(lambda p=params: insert(p))
         results["insert"].append(us)
+        if index is not None and (i + 1) % 64 == 0:  # batched, as before a plan
+            _, us = timed(index.flush)
+            results["register"].extend([us / 64] * 64)
         # The unaligned tail (and the padding of the last page) stays with the caller.
         if r.aligned_len < len(value):
             alloc.free(value[r.aligned_len :])
@@ -113,14 +135,21 @@ def run(page_size: int) -> dict[str, Any]:
 
     ledger_ok = True
     try:
+        if index is not None:
+            index.flush()
+            index.check()
+            ledger_ok = len(index) == 0  # the tree is empty: so is the index
         cache.check_invariants()
         alloc.check_invariants()
-        ledger_ok = alloc.available_size() == alloc.capacity and cache.total_size() == 0
+        ledger_ok = (
+            ledger_ok and alloc.available_size() == alloc.capacity and cache.total_size() == 0
+        )
     except AssertionError as err:
         print(f"ledger check failed: {err}")
         ledger_ok = False
     return {
         "page_size": page_size,
+        "reuse": reuse,
         "results": {k: summarize(v) for k, v in results.items()},
         "ledger_ok": ledger_ok,
     }
@@ -129,15 +158,46 @@ def run(page_size: int) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--page-size", type=int, default=1)
+    ap.add_argument("--reuse", choices=["off", "on", "both"], default="off")
     ap.add_argument("--json", type=str, default=None, help="write the results here")
     args = ap.parse_args()
-    out = run(args.page_size)
-    print(f"UHRC bench, page_size={out['page_size']}")
+    if args.reuse != "both":
+        out = run(args.page_size, args.reuse == "on")
+        print_table(out)
+        write_json(out, args.json)
+        return
+    runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+    for _ in range(3):  # alternate, so both see the same load on the machine
+        for reuse in (False, True):
+            runs[reuse].append(run(args.page_size, reuse))
+    p50 = {
+        k: statistics.median(r["results"]["insert"]["p50_us"] for r in v) for k, v in runs.items()
+    }
+    for reuse in (False, True):
+        print_table(runs[reuse][-1])
+    ratio = p50[True] / p50[False]
+    print(
+        f"insert p50, median of 3: reuse off {p50[False]:.2f} us, on {p50[True]:.2f} us "
+        f"({ratio:.2f}x)"
+    )
+    write_json(
+        {
+            "page_size": args.page_size,
+            "insert_p50_us": {"off": p50[False], "on": p50[True]},
+            "ratio": ratio,
+            "runs": {"off": runs[False], "on": runs[True]},
+        },
+        args.json,
+    )
+
+
+def print_table(out: dict[str, Any]) -> None:
+    reuse = "on" if out["reuse"] else "off"
+    print(f"UHRC bench, page_size={out['page_size']}, reuse {reuse}, CPU: {cpu_name()}")
     print(f"{'op':<12} {'p50 (us)':>10} {'p99 (us)':>10} {'ops/s':>12}")
     for name, r in out["results"].items():
         print(f"{name:<12} {r['p50_us']:>10.2f} {r['p99_us']:>10.2f} {r['ops_per_s']:>12.1f}")
     print(f"ledger check: {'ok' if out['ledger_ok'] else 'FAILED'}")
-    write_json(out, args.json)
 
 
 if __name__ == "__main__":

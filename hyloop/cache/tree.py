@@ -30,7 +30,7 @@ budgets with ``evictable_size()``. ``peek_prefix_len`` probes without side effec
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import numpy as np
@@ -104,6 +104,8 @@ class UnifiedRadixCache:
         self._receipts: dict[int, tuple[IncLockRefResult, dict[int, Any]]] = {}
         self._kv_to_free: list[torch.Tensor] = []
         self._slots_to_free: list[int] = []
+        # Told of every node the tree removes (e.g. the position-independent donor index).
+        self.delete_listeners: list[Callable[[TreeNode], None]] = []
 
         self.full = FullComponent(self)
         self.swa: SWAComponent | None = None
@@ -245,6 +247,8 @@ class UnifiedRadixCache:
         del parent.children[node.child_key]
         node.alive = False
         self.leaves.discard(node)
+        for listener in self.delete_listeners:
+            listener(node)
         if parent.parent is not None and not parent.children:
             self.leaves.add(parent)
             self.full.note_leaf(parent)

@@ -15,9 +15,11 @@ from hyloop.cache import NoReuseCache, PrefixCache, UnifiedRadixCache
 from hyloop.framework.config import EngineConfig
 from hyloop.framework.frame_step import FrameRunner
 from hyloop.framework.model_runner import ModelRunner, usable_buckets
+from hyloop.framework.position_independent import PositionIndependentReuse
 from hyloop.graphs.auto_plan import Estimates
 from hyloop.graphs.buckets import ArtifactKey
 from hyloop.graphs.history import StepHistory, history_key
+from hyloop.models.kv_shift import shifter_for
 from hyloop.models.layers.kernel_choice import cache_dir, calibrate, machine_key, shape_key
 from hyloop.models.layers.packed_linear import PackedLinear, pack_linears, packing_available
 from hyloop.models.loader import LoadedModel, load_model
@@ -51,6 +53,7 @@ class EngineParts:
     channel_vocab_sizes: list[int]  # per channel (row models only)
     weight_bytes: int
     derived: dict[str, Any]
+    pi_reuse: PositionIndependentReuse | None = None  # cache.position_independent
 
 
 def resolve_device(name: str) -> torch.device:
@@ -121,6 +124,12 @@ def build_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
                 f"{page_size}; set recurrent_pool.track_interval"
             )
     cache = build_cache(cfg, kv, recurrent)
+    pi_reuse = None
+    if cfg.cache.position_independent.enable:
+        # Refuses, naming why, models whose KV cannot move (recurrent, sliding window).
+        shifter = shifter_for(model)
+        assert isinstance(cache, UnifiedRadixCache)
+        pi_reuse = PositionIndependentReuse(cache, kv, shifter, cfg.cache.position_independent)
     row_channels = int(model.num_channels) if getattr(model, "is_row_model", False) else 0
     end_id = int(model.end_id) if row_channels else -1
     eos_ids = list(loaded.eos_token_ids)
@@ -177,6 +186,7 @@ def build_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         channel_vocab_sizes=list(model.channel_vocab_sizes) if row_channels else [],
         weight_bytes=loaded.weight_bytes,
         derived=derived,
+        pi_reuse=pi_reuse,
     )
 
 

@@ -64,8 +64,39 @@ class RecurrentPoolSection(_Section):
     )
 
 
+class PositionIndependentSection(_Section):
+    enable: bool = Field(
+        False, description="reuse KV of prompt text found anywhere in the cache, at a new offset"
+    )
+    window: int = Field(64, ge=1, le=64, description="tokens the chunk-boundary hash depends on")
+    boundary_bits: int = Field(
+        7, ge=1, le=32, description="a chunk ends where this many top hash bits are 0"
+    )
+    min_chunk: int = Field(32, ge=1, description="shortest chunk (tokens)")
+    max_chunk: int = Field(512, ge=1, description="longest chunk (tokens)")
+    sink_tokens: int = Field(32, ge=0, description="leading positions never reused (sinks)")
+    recompute_tokens: int = Field(
+        16, ge=0, description="leading tokens of each reused run computed anyway"
+    )
+
+    @model_validator(mode="after")
+    def _check_clamps(self) -> PositionIndependentSection:
+        if self.min_chunk > self.max_chunk:
+            raise ValueError(
+                f"min_chunk={self.min_chunk} must not exceed max_chunk={self.max_chunk}"
+            )
+        return self
+
+
 class CacheSection(_Section):
     enable: bool = Field(True, description="prefix reuse through the UHRC")
+    position_independent: PositionIndependentSection = PositionIndependentSection()
+
+    @model_validator(mode="after")
+    def _check_reuse(self) -> CacheSection:
+        if self.position_independent.enable and not self.enable:
+            raise ValueError("position_independent.enable needs the prefix cache (cache.enable)")
+        return self
 
 
 class GraphsSection(_Section):

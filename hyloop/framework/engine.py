@@ -57,6 +57,7 @@ class Engine:
             parts.recurrent_pool,
             self.max_context,
             parts.track_interval,
+            parts.pi_reuse,
         )
         self.requests = RequestLifecycle(
             memory, self.cfg.scheduler, parts.max_running, parts.fence, parts.tokenizer
@@ -263,6 +264,7 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         d = self.recorder.as_dict(overlap=self._overlap is not None)
         d["cached_tokens"] = self.requests.cached_tokens
+        d["reused_tokens"] = self.requests.reused_tokens
         d["requests_finished"] = self.finished
         d["requests_aborted"] = self.aborted
         d.update(self.runner.graph_stats())

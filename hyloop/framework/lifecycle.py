@@ -35,6 +35,7 @@ class RequestLifecycle:
         self.page_size = memory.page_size
         self.capture_logits = False  # debug: keep the logits of every sampled token
         self.cached_tokens = 0  # prompt tokens served by the cache (written at admission)
+        self.reused_tokens = 0  # prompt tokens copied from a donor at a new offset
         self._requests: dict[str, Request] = {}
         self._outputs: list[RequestOutput] = []  # finished outputs not yet handed out
         self.scheduler = Scheduler(
@@ -81,6 +82,7 @@ class RequestLifecycle:
         verdict = self.memory.admit(req, self.scheduler.running)
         if verdict:
             self.cached_tokens += req.num_cached
+            self.reused_tokens += req.num_reused
         return verdict
 
     # -- a resolved step ------------------------------------------------------------------------
@@ -163,6 +165,7 @@ class RequestLifecycle:
             finished=finished,
             finish_reason=req.finish_reason,
             num_cached_tokens=req.num_cached,
+            num_reused_tokens=req.num_reused,
             logprobs=logprobs[start:] if logprobs is not None else None,
             rows=[list(r) for r in rows[start:]] if rows is not None else None,
         )

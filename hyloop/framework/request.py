@@ -27,6 +27,8 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort"
     num_cached_tokens: int
     logprobs: list[dict[int, float]] | None = None
+    # prompt tokens whose KV came from a donor at another offset (not the exact prefix)
+    num_reused_tokens: int = 0
     rows: list[list[int]] | None = None  # multi-channel models: the generated rows [C] each
 
 
@@ -50,6 +52,10 @@ class Request:
     num_computed: int = 0  # positions whose KV is written
     num_sampled: int = 0  # tokens launched for sampling (ahead of output_ids under lookahead)
     num_cached: int = 0  # prompt tokens served from the cache
+    # Position-independent reuse: prompt spans [start, end) whose KV was copied from a donor at
+    # admission (ascending); prefill skips them. ``num_reused`` counts their tokens.
+    reused_spans: list[tuple[int, int]] = field(default_factory=list)
+    num_reused: int = 0
     num_emitted: int = 0  # output tokens handed out so far (``delta`` outputs start here)
     lock: Any = None  # cache lock receipt
     state_slot: int = 0  # recurrent working slot (hybrid models)
@@ -72,6 +78,26 @@ class Request:
             lo = max(0, start - n)
             parts.append(torch.tensor(self.output_rows[lo : start + length - n], dtype=torch.int64))
         return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def next_prefill_span(self) -> tuple[int, int]:
+        """``(start, stop)``: the next prompt positions to compute, from ``num_computed`` past
+        any reused span up to the next one (or the prompt's end)."""
+        start, stop = self.num_computed, len(self.prompt_ids)
+        for s, e in self.reused_spans:
+            if s <= start < e:
+                start = e
+            elif start < s:
+                stop = s
+                break
+        return start, stop
+
+    @property
+    def prefill_remaining(self) -> int:
+        """Prompt positions still to compute (reused spans were written at admission)."""
+        left = len(self.prompt_ids) - self.num_computed
+        for s, e in self.reused_spans:
+            left -= max(0, e - max(s, self.num_computed))
+        return left
 
     @property
     def prefill_done(self) -> bool:

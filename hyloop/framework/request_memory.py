@@ -6,7 +6,9 @@ Every page and state slot a request touches passes through here, so the ledger
 Lifecycle of a request:
 1. ``admit``: match the prompt in the UHRC, lock the hit, reserve KV pages for the rest of the
    request (evicting unlocked tree entries if short), take a working state slot and, on a
-   recurrent hit, copy-on-write the node's snapshot into it while the node is locked.
+   recurrent hit, copy-on-write the node's snapshot into it while the node is locked. With
+   position-independent reuse, the unmatched tail is planned too: each reused run's donor is
+   locked before anything is evicted and its KV moved into the request's pages before release.
 2. ``commit``: as prefill chunks complete (and at track boundaries for hybrid models), insert the
    computed prefix; the tree takes its page-aligned part, the request re-points any duplicate
    positions to the tree's pages and moves its lock to the new node.
@@ -17,6 +19,7 @@ Lifecycle of a request:
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,6 +33,9 @@ from hyloop.cache import (
 )
 from hyloop.framework.request import Request
 from hyloop.pools import PageAllocator, RecurrentPool, ReqToTokenPool, SlotRole
+
+if TYPE_CHECKING:
+    from hyloop.framework.position_independent import PositionIndependentReuse
 
 # A request is held back one step when an admitted, still-prefilling request shares at least this
 # many more prompt tokens with it than the cache can serve: it will hit them after the insert.
@@ -45,6 +51,7 @@ class RequestMemory:
         recurrent: RecurrentPool | None,
         max_context: int,
         track_interval: int | None,
+        pi_reuse: PositionIndependentReuse | None = None,
     ) -> None:
         self.cache = cache
         self.kv = kv_allocator
@@ -57,6 +64,7 @@ class RequestMemory:
         # free the pages it is handed); finished requests still go through insert.
         self.reuse = cache.reuses_prefixes
         self.commit_during_prefill = self.reuse and recurrent is None
+        self.pi = pi_reuse  # position-independent reuse of the unmatched tail, when enabled
 
     # -- admission ------------------------------------------------------------------------------
     def admit(self, req: Request, inflight: list[Request]) -> bool | None:
@@ -73,15 +81,26 @@ class RequestMemory:
         own_tokens = len(req.prompt_ids) + req.max_new - cached
         # NOTE: lock the hit before evicting for room, so eviction cannot take the hit itself.
         lock = self.cache.inc_lock_ref(m.last_node)
+        plan = self.pi.plan(req, cached) if self.pi is not None else None
+        # NOTE: donors stay locked from the plan until their runs are copied.
+        donors = [self.cache.inc_lock_ref(s.node) for s in plan.reused] if plan else []
         enough = self._ensure_pages(self.kv.pages_for(own_tokens))
         if enough and self.recurrent is not None:
             enough = self._ensure_slots(1)
         if not enough:
-            self.cache.dec_lock_ref(lock.to_dec_params())
+            for d in [*donors, lock]:
+                self.cache.dec_lock_ref(d.to_dec_params())
             return False
         own = self.kv.alloc(own_tokens)
         assert own is not None, "pages were ensured"
         req.slots = torch.cat([m.device_indices.to(torch.int64), own]) if cached else own
+        if plan is not None and donors:
+            assert self.pi is not None
+            self.pi.realise(plan, req.slots)
+            for d in donors:
+                self.cache.dec_lock_ref(d.to_dec_params())
+            req.reused_spans = [(s.start, s.end) for s in plan.reused]
+            req.num_reused = plan.reused_tokens
         req.own_from = cached
         req.lock = lock
         req.num_cached = cached
@@ -141,12 +160,11 @@ class RequestMemory:
     def commit(self, req: Request, n: int, state_slot: int | None = None) -> None:
         """Insert ``all_ids[:n]`` while the request keeps running; move its lock to the new node."""
         assert req.slots is not None
-        r = self.cache.insert(
-            InsertParams(
-                key=RadixKey(req.all_ids[:n]), value=req.slots[:n], recurrent_slot=state_slot
-            )
-        )
+        key = RadixKey(req.all_ids[:n])
+        r = self.cache.insert(InsertParams(key=key, value=req.slots[:n], recurrent_slot=state_slot))
         self._settle_state_slot(state_slot, r)
+        if self.pi is not None:
+            self.pi.note(req, key, r)
         if r.prefix_len > req.own_from:
             # The tree freed our copies of positions it already held: read its pages instead.
             m = self.cache.match_prefix(
@@ -174,11 +192,12 @@ class RequestMemory:
             n = req.num_computed
             aligned = n % self.page_size == 0
             snapshot = state if state and aligned and state_current and self.reuse else None
+            key = RadixKey(req.all_ids[:n])
             r = self.cache.insert(
-                InsertParams(
-                    key=RadixKey(req.all_ids[:n]), value=req.slots[:n], recurrent_slot=snapshot
-                )
+                InsertParams(key=key, value=req.slots[:n], recurrent_slot=snapshot)
             )
+            if self.pi is not None:
+                self.pi.note(req, key, r)
             if snapshot is not None and r.recurrent_taken:
                 state = 0  # handed to the tree (stored, or freed as a duplicate)
             if snapshot is not None:
@@ -213,6 +232,8 @@ class RequestMemory:
         self.kv.check_invariants()
         self.req_to_token.check_invariants()
         pending = self.kv.pending_size()
+        if self.pi is not None:
+            self.pi.check()
         if self.recurrent is None:
             self.cache.check_invariants(request_held_tokens=held, pending_free_tokens=pending)
             return

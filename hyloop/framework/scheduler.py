@@ -53,9 +53,7 @@ class Scheduler:
         Admitting lazily (not every waiting request at once) lets later requests match the
         prefixes that earlier ones insert as their chunks complete.
         """
-        pending = sum(
-            len(r.prompt_ids) - r.num_computed for r in self.running if not r.prefill_done
-        )
+        pending = sum(r.prefill_remaining for r in self.running if not r.prefill_done)
         deferred: list[Request] = []
         while self.waiting and len(self.running) < self.max_running:
             if pending >= self.prefill_token_budget:
@@ -70,7 +68,7 @@ class Scheduler:
                 break  # FIFO: later requests wait behind the head (no starvation)
             req.status = Status.RUNNING
             self.running.append(req)
-            pending += len(req.prompt_ids) - req.num_computed
+            pending += req.prefill_remaining
         self.waiting.extendleft(reversed(deferred))
 
     def next_batch(self) -> Batch | None:
@@ -80,8 +78,9 @@ class Scheduler:
         for req in self.running:
             if req.prefill_done or budget <= 0:
                 continue
-            start = req.num_computed
-            length = min(len(req.prompt_ids) - start, self.prefill_chunk, budget)
+            start, stop = req.next_prefill_span()
+            req.num_computed = start  # reused spans were written at admission
+            length = min(stop - start, self.prefill_chunk, budget)
             if self._chunk_limit is not None:
                 length = self._chunk_limit(req, start, length)
             chunks.append(Chunk(req, start, length))

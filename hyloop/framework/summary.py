@@ -22,6 +22,7 @@ def render_summary(llm: Any) -> str:
         f"free {s['kv_free_tokens']}/{s['kv_capacity_tokens']} tokens",
         f"cache          {'on' if cfg.cache.enable else 'off'} ({d['cache']})    "
         f"cached tokens {s['cached_tokens']}    evictable {s['cache_evictable_tokens']}",
+        f"pi reuse       {_pi_line(cfg.cache.position_independent, s)}",
         f"lookahead      {'on' if s['lookahead'] else 'off'} (min_batch {cfg.lookahead.min_batch})",
         f"scheduler      max_running {cfg.scheduler.max_running_requests}    "
         f"prefill_chunk {cfg.scheduler.prefill_chunk}    "
@@ -55,3 +56,12 @@ def render_summary(llm: Any) -> str:
             f"idle between steps {s['decode_device_idle_time']:.3f} s (waiting on the host)"
         )
     return "\n".join(lines)
+
+
+def _pi_line(pi: Any, s: dict[str, Any]) -> str:
+    if not pi.enable:
+        return "off"
+    return (
+        f"on    reused tokens {s['reused_tokens']} (KV moved from another offset)    "
+        f"recompute_tokens {pi.recompute_tokens}"
+    )
