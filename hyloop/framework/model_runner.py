@@ -215,6 +215,11 @@ class ModelRunner:
             return defaults
         return self.history.estimates(self.backend, defaults)
 
+    @property
+    def wants_plan(self) -> bool:
+        """``auto`` and the next decode step starts a job (read by the pipeline every step)."""
+        return self.auto and self._plan_due
+
     def plan_job(self, outlook: Sequence[Outlook], mode: tuple[int, int]) -> None:
         """``auto``, at the first decode step of a job: capture the artifacts worth it.
 

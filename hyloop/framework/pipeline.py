@@ -88,8 +88,10 @@ class StepPipeline:
     def prepare(self, batch: Batch, source_rows: torch.Tensor | None = None) -> Pending:
         """Host side of a launch: track slots, sampled-token counters, step inputs."""
         memory = self.requests.memory
-        plan_job = getattr(self.kind, "plan_job", None)
-        outlook = self.outlook() if batch.is_decode and plan_job is not None else None
+        # ``auto`` plans a job at its first decode step (the outlook is read before this step
+        # counts its tokens); other steps pay nothing for it.
+        plans = batch.is_decode and getattr(self.kind, "wants_plan", False)
+        outlook = self.outlook() if plans else None
         for c in batch.chunks:
             c.track_slot = memory.take_track_slot(c.start + c.length)
             if batch.is_decode or c.completes_prompt:
@@ -100,8 +102,7 @@ class StepPipeline:
         reads = [(c.req.slots, c.start + c.length) for c in batch.chunks if c.req.slots is not None]
         step = self.kind.prepare(batch)
         if outlook is not None and step.inputs is not None:
-            assert plan_job is not None
-            plan_job(outlook, step.inputs.mode)  # auto: a job's captures, before its first step
+            self.kind.plan_job(outlook, step.inputs.mode)  # type: ignore[attr-defined]
         pending = Pending(step, self.fence.issue(), source_rows, reads)
         self._unresolved[pending.gen] = pending
         return pending
