@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     warm.add_argument("--config", action="append", default=[], help="YAML config (repeatable)")
     warm.add_argument("--model", help="checkpoint (default: SmolLM2-135M)")
     warm.add_argument(
-        "--kv-len", type=int, default=512, help="warm kv_len buckets up to this (default 512)"
+        "--kv-len", type=int, default=512, help="warm the buckets of contexts up to this (512)"
     )
     warm.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     warm.add_argument("overrides", nargs="*", help="config overrides, key=value")

@@ -1,11 +1,12 @@
 """``hyloop warmup``: compile (or capture) the artifacts a config will use, before a job needs them.
 
-Every (batch bucket, ``kv_len`` bucket) up to ``--kv-len`` is captured with the config's
-captured backend (``auto``: compile on CPU, cuda_graph on CUDA), which fills inductor's on-disk
-cache under ``$HYLOOP_CACHE_DIR``; each artifact's replay and the eager step are timed on it, and
-one artifact is captured a second time with Dynamo reset, as a new process would find it. All of
-it goes into this machine's step history, so ``graphs.backend=auto`` later plans from measured
-step times and warm capture costs rather than from defaults.
+Every (batch bucket, ``kv_len`` bucket) that contexts of up to ``--kv-len`` tokens use is
+captured with the config's captured backend (``auto``: compile on CPU, cuda_graph on CUDA),
+which fills inductor's on-disk cache under ``$HYLOOP_CACHE_DIR``; each artifact's replay and the
+eager step are timed on it, and one artifact is captured a second time with Dynamo reset, as a
+new process would find it. All of it goes into this machine's step history, so
+``graphs.backend=auto`` later plans from measured step times and warm capture costs rather than
+from defaults.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def warmup(
         runner = llm.engine.runner
         graphs, history = runner.graph_runner, runner.history
         assert graphs is not None and history is not None
-        kv_buckets = [k for k in graphs.kv_len_buckets if k <= kv_len] or [graphs.kv_len_buckets[0]]
+        top = graphs.kv_bucket(kv_len) or graphs.kv_len_buckets[-1]  # contexts up to kv_len
+        kv_buckets = [k for k in graphs.kv_len_buckets if k <= top]
         keys = [ArtifactKey(b, kv) for kv in kv_buckets for b in graphs.buckets]
         if runner.before_capture is not None:
             runner.before_capture(keys)

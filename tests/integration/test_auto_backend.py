@@ -104,3 +104,34 @@ def test_auto_runs_a_short_job_eagerly_and_keeps_its_step_times(
     assert "auto plan" in summary and "auto (compile where a job pays for it)" in summary
     (path,) = (tmp_path / "steps").glob("*.json")
     assert '"eager"' in path.read_text()  # measured for the next plan
+
+
+@pytest.mark.slow
+def test_warmup_captures_times_and_keeps_a_configs_artifacts(
+    tiny_ckpts: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from hyloop.cli import main
+    from hyloop.graphs.history import StepHistory
+
+    monkeypatch.setenv("HYLOOP_CACHE_DIR", str(tmp_path))
+    # As in a new process: inductor's directory not chosen yet (earlier tests chose one).
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    model = str(tiny_ckpts["llama"])
+    args = ["graphs.buckets=[2]", "graphs.kv_len_bucket=16", "model.max_context=64"]
+    assert main(["warmup", "--model", model, "--kv-len", "20", "--no-progress", *args]) == 0
+    out = capsys.readouterr().out
+    assert "warmed 2 artifacts" in out  # kv_len buckets 16 and 32 at batch 2
+    (path,) = (tmp_path / "steps").glob("*.json")
+    history = StepHistory(path)
+    captures = history.capture_s["compile"]
+    assert set(captures) == {"b2_kv16", "b2_kv32"}
+    assert len(captures["b2_kv16"]) == 2  # from nothing, then again with the cache warm
+    assert set(history.step_ms["compile"]) == {2} and set(history.step_ms["eager"]) == {2}
+    assert any((tmp_path / "inductor").iterdir())  # inductor's cache lives under ours
+    # An auto engine of the same config reads these figures.
+    with LLM(model=model, overrides=["graphs.backend=auto", *args]) as llm:
+        est = llm.engine.runner.estimates()
+        assert est.measured and est.captures.keys() == captures.keys()
