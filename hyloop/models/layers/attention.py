@@ -14,7 +14,9 @@ class PagedAttention(nn.Module):
     """Scaled dot-product attention over the paged KV pool of one layer.
 
     Keys of row ``b`` are the first ``ctx.kv_len`` columns of its req->token row; key column
-    ``j`` (= absolute position ``j``) is visible to a query at position ``p`` iff ``j <= p``.
+    ``j`` (= absolute position ``j``) is visible to a query at position ``p`` iff ``j <= p``
+    and, on a sliding-window layer, ``j > p - sliding_window`` (the window is a mask over the
+    same columns, so the step's shapes do not depend on it).
     NOTE: padded rows point at the padding request row (all slot 0) with position 0, so they
     see exactly one key (the sink) and never produce NaN.
 
@@ -24,7 +26,13 @@ class PagedAttention(nn.Module):
     """
 
     def __init__(
-        self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
+        self,
+        layer_id: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -34,6 +42,7 @@ class PagedAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext
@@ -44,7 +53,7 @@ class PagedAttention(nn.Module):
         k_buf, v_buf = ctx.kv.k[self.layer_id], ctx.kv.v[self.layer_id]
         write_kv(k_buf, v_buf, ctx.out_cache_loc, k, v)
 
-        slots, mask = self._step_meta(ctx, b, t, q.device)
+        slots, mask = self._step_meta(ctx, b, t, q.device, self.sliding_window)
         # index_select on the flat slot list is ~5x faster than advanced indexing on CPU.
         keys = k_buf.index_select(0, slots).view(b, ctx.kv_len, hkv, d)
         values = v_buf.index_select(0, slots).view(b, ctx.kv_len, hkv, d)
@@ -62,24 +71,29 @@ class PagedAttention(nn.Module):
 
     @staticmethod
     def _step_meta(
-        ctx: StepContext, b: int, t: int, device: torch.device
+        ctx: StepContext, b: int, t: int, device: torch.device, window: int | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat context slots ``[B*L]`` and the mask, built once per step for every layer.
+        """Flat context slots ``[B*L]`` and the mask, built once per step for every layer (one
+        mask per window size).
 
         The mask is boolean ``[B,1,T,L]`` for prefill and an additive fp32 bias ``[B,1,1,L]``
         (0 or -inf) for decode.
         """
-        meta = ctx.scratch.get("paged_attention")
+        key = "paged_attention" if window is None else f"paged_attention_w{window}"
+        meta = ctx.scratch.get(key)
         if meta is None:
             slots = ctx.req_to_token[ctx.req_rows, : ctx.kv_len].reshape(-1).long()
-            cols = torch.arange(ctx.kv_len, device=device)
-            visible = cols.view(1, 1, 1, -1) <= ctx.positions.view(b, 1, t, 1)
+            cols = torch.arange(ctx.kv_len, device=device).view(1, 1, 1, -1)
+            pos = ctx.positions.view(b, 1, t, 1)
+            visible = cols <= pos
+            if window is not None:
+                visible = visible & (cols > pos - window)
             if t == 1:
                 zero = torch.zeros((), dtype=torch.float32, device=device)
                 mask = torch.where(visible, zero, float("-inf"))
             else:
                 mask = visible
-            meta = ctx.scratch["paged_attention"] = (slots, mask)
+            meta = ctx.scratch[key] = (slots, mask)
         return meta
 
     def _decode(
