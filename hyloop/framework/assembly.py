@@ -13,11 +13,12 @@ from hyloop.cache import NoReuseCache, PrefixCache, UnifiedRadixCache
 from hyloop.framework.config import EngineConfig
 from hyloop.framework.frame_step import FrameRunner
 from hyloop.framework.model_runner import ModelRunner, resolve_backend, usable_buckets
+from hyloop.framework.swa_windows import SWAWindows
 from hyloop.models.layers.kernel_choice import calibrate, shape_key
 from hyloop.models.layers.packed_linear import PackedLinear, pack_linears, packing_available
 from hyloop.models.loader import LoadedModel, load_model
 from hyloop.models.tokenizer import TextTokenizer
-from hyloop.pools import KVPool, RecurrentPool, ReqToTokenPool, StepFence
+from hyloop.pools import KVPool, RecurrentPool, ReqToTokenPool, StepFence, SWAKVPool
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class EngineParts:
     channel_vocab_sizes: list[int]  # per channel (row models only)
     weight_bytes: int
     derived: dict[str, Any]
+    swa_window: int | None = None  # sliding window of the layers in kv_pool.swa, if any
 
 
 def resolve_device(name: str) -> torch.device:
@@ -69,6 +71,9 @@ def build_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         if cfg.model.cpu_kernels == "measure":
             kernels = choose_kernels(cfg, model)
     spec = model.spec
+    swa_layers = 0
+    if getattr(model, "sliding_layers", ()):
+        _, swa_layers = model.place_kv_layers(cfg.kv_pool.swa_pool)
     model_limit = int(getattr(spec, "max_positions", DEFAULT_MAX_CONTEXT))
     max_context = cfg.model.max_context or min(model_limit, DEFAULT_MAX_CONTEXT)
     if max_context > model_limit:
@@ -93,6 +98,22 @@ def build_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         fence,
     )
     max_running = cfg.scheduler.max_running_requests
+    swa_window = int(model.sliding_window) if swa_layers else None
+    if swa_window is not None:
+        per_request = SWAWindows.worst_case_pages(
+            swa_window, cfg.scheduler.prefill_chunk, page_size
+        )
+        kv.swa = SWAKVPool(
+            swa_layers,
+            cfg.kv_pool.swa_num_pages or max_running * per_request + 1,
+            page_size,
+            model.kv_heads,
+            model.head_dim,
+            kv.num_slots,
+            dtype,
+            device,
+            fence,
+        )
     req_to_token = ReqToTokenPool(max_running, max_context, device, fence)
     vocab_size = int(getattr(model, "max_vocab", spec.vocab_size))
     recurrent, track_interval = None, None
@@ -119,6 +140,9 @@ def build_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         "kv_pages": num_pages,
         "kv_tokens": (num_pages - 1) * page_size,
         "kv_bytes": kv.nbytes(),
+        "swa_window": swa_window,
+        "swa_pages": kv.swa.allocator.num_pages if kv.swa is not None else 0,
+        "swa_bytes": kv.swa.nbytes() if kv.swa is not None else 0,
         "cache": type(cache).__name__,
         "backend": runner.backend,
         "step": type(runner).__name__,
@@ -152,6 +176,7 @@ def build_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         channel_vocab_sizes=list(model.channel_vocab_sizes) if row_channels else [],
         weight_bytes=loaded.weight_bytes,
         derived=derived,
+        swa_window=swa_window,
     )
 
 
@@ -160,6 +185,11 @@ def build_cache(
 ) -> PrefixCache:
     """The UHRC with the components the model's layer types need (or a no-reuse stand-in)."""
     cls = UnifiedRadixCache if cfg.cache.enable else NoReuseCache
+    if kv.swa is not None and cfg.cache.enable:
+        # The tree holds full-pool pages only; a hit would leave the sliding layers' window
+        # unfilled, so requests share nothing until the tree keeps windows.
+        log.warning("prefix reuse is off: the sliding-window pool has no cache component")
+        cls = NoReuseCache
     if recurrent is not None:
         return cls(
             kv_allocator=kv.allocator,

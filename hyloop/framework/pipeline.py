@@ -88,6 +88,7 @@ class StepPipeline:
         """Host side of a launch: track slots, sampled-token counters, step inputs."""
         memory = self.requests.memory
         for c in batch.chunks:
+            memory.advance_window(c.req, c.start, c.start + c.length)
             c.track_slot = memory.take_track_slot(c.start + c.length)
             if batch.is_decode or c.completes_prompt:
                 if c.out_pos < 0:

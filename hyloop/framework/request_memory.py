@@ -29,6 +29,7 @@ from hyloop.cache import (
     RadixKey,
 )
 from hyloop.framework.request import Request
+from hyloop.framework.swa_windows import SWAWindows
 from hyloop.pools import PageAllocator, RecurrentPool, ReqToTokenPool, SlotRole
 
 # A request is held back one step when an admitted, still-prefilling request shares at least this
@@ -45,8 +46,10 @@ class RequestMemory:
         recurrent: RecurrentPool | None,
         max_context: int,
         track_interval: int | None,
+        swa: SWAWindows | None = None,
     ) -> None:
         self.cache = cache
+        self.swa = swa  # sliding-window pages of running requests (models with such layers)
         self.kv = kv_allocator
         self.page_size: int = kv_allocator.page_size
         self.req_to_token = req_to_token
@@ -76,6 +79,8 @@ class RequestMemory:
         enough = self._ensure_pages(self.kv.pages_for(own_tokens))
         if enough and self.recurrent is not None:
             enough = self._ensure_slots(1)
+        if enough and self.swa is not None:
+            enough = self.swa.can_reserve(req)
         if not enough:
             self.cache.dec_lock_ref(lock.to_dec_params())
             return False
@@ -86,6 +91,8 @@ class RequestMemory:
         req.lock = lock
         req.num_cached = cached
         req.num_computed = cached
+        if self.swa is not None:
+            self.swa.reserve(req)
         row = self.req_to_token.alloc()
         assert row is not None
         req.req_row = row
@@ -113,6 +120,11 @@ class RequestMemory:
         if short > 0:
             self.cache.evict(EvictParams(recurrent_num=short))
         return self.recurrent.available_size() >= n
+
+    def advance_window(self, req: Request, start: int, end: int) -> None:
+        """Before a step computes ``[start, end)``: sliding-window pages in and out."""
+        if self.swa is not None and req.slots is not None:
+            self.swa.advance(req, start, end)
 
     # -- tracks (hybrid models) -----------------------------------------------------------------
     def chunk_limit(self, req: Request, start: int, length: int) -> int:
@@ -191,6 +203,8 @@ class RequestMemory:
             self.kv.free(own)
         if state and self.recurrent is not None:
             self.recurrent.release([state])
+        if self.swa is not None:
+            self.swa.release(req)
         req.state_slot = 0
         self.req_to_token.free(req.req_row)
         req.req_row = -1
@@ -213,6 +227,8 @@ class RequestMemory:
         self.kv.check_invariants()
         self.req_to_token.check_invariants()
         pending = self.kv.pending_size()
+        if self.swa is not None:
+            self.swa.check(running)
         if self.recurrent is None:
             self.cache.check_invariants(request_held_tokens=held, pending_free_tokens=pending)
             return

@@ -231,6 +231,21 @@ class Gemma3CausalLM(DecoderLM):
         )
         self.embed_scale = math.sqrt(self.spec.hidden_size)
 
+    def place_kv_layers(self, swa_pool: bool) -> tuple[int, int]:
+        """Assign each attention layer its buffers: with ``swa_pool`` the sliding layers live in
+        the sliding-window pool and the full pool holds only the global layers. Returns the
+        layer counts of (full pool, sliding-window pool)."""
+        full = swa = 0
+        for layer in self.model.layers:
+            attn = layer.self_attn.attn
+            attn.in_swa_pool = swa_pool and attn.sliding_window is not None
+            if attn.in_swa_pool:
+                attn.pool_layer, swa = swa, swa + 1
+            else:
+                attn.pool_layer, full = full, full + 1
+        self.num_kv_layers = full
+        return full, swa
+
     def forward(self, ctx: StepContext) -> torch.Tensor:
         x = self.model.embed_tokens(ctx.input_ids)
         # NOTE: HF rounds the scale to the weight dtype before multiplying.

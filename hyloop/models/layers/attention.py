@@ -43,6 +43,10 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        # Which buffers this layer owns: ``pool_layer`` indexes the full pool's layers, or the
+        # sliding-window pool's when ``in_swa_pool`` (``DecoderLM.place_kv_layers`` sets both).
+        self.pool_layer = layer_id
+        self.in_swa_pool = False
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext
@@ -50,10 +54,16 @@ class PagedAttention(nn.Module):
         """``q [B,T,Hq,D]``, ``k``/``v [B,T,Hkv,D]`` -> ``[B,T,Hq*D]``."""
         b, t = q.shape[:2]
         hkv, d = self.num_kv_heads, self.head_dim
-        k_buf, v_buf = ctx.kv.k[self.layer_id], ctx.kv.v[self.layer_id]
-        write_kv(k_buf, v_buf, ctx.out_cache_loc, k, v)
-
         slots, mask = self._step_meta(ctx, b, t, q.device, self.sliding_window)
+        if self.in_swa_pool:
+            swa = ctx.kv.swa
+            k_buf, v_buf = swa.k[self.pool_layer], swa.v[self.pool_layer]
+            loc, slots = self._swa_slots(ctx, slots)
+        else:
+            k_buf, v_buf = ctx.kv.k[self.pool_layer], ctx.kv.v[self.pool_layer]
+            loc = ctx.out_cache_loc
+        write_kv(k_buf, v_buf, loc, k, v)
+
         # index_select on the flat slot list is ~5x faster than advanced indexing on CPU.
         keys = k_buf.index_select(0, slots).view(b, ctx.kv_len, hkv, d)
         values = v_buf.index_select(0, slots).view(b, ctx.kv_len, hkv, d)
@@ -94,6 +104,18 @@ class PagedAttention(nn.Module):
             else:
                 mask = visible
             meta = ctx.scratch[key] = (slots, mask)
+        return meta
+
+    @staticmethod
+    def _swa_slots(ctx: StepContext, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's write slots and context slots translated into the sliding-window pool
+        (``full_to_swa``), once per step for every sliding layer."""
+        meta = ctx.scratch.get("paged_attention_swa")
+        if meta is None:
+            table = ctx.kv.swa.full_to_swa
+            loc = table.index_select(0, ctx.out_cache_loc.reshape(-1))
+            meta = (loc.view(ctx.out_cache_loc.shape), table.index_select(0, slots))
+            ctx.scratch["paged_attention_swa"] = meta
         return meta
 
     def _decode(
