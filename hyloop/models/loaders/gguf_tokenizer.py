@@ -255,7 +255,8 @@ def build_gguf_tokenizer(meta: Mapping[str, Any]) -> Tokenizer:
         return _build_gemma_bpe(meta)
     raise ValueError(
         f"GGUF tokenizer.ggml.model is {model!r} (general.architecture {arch!r}); hyloop builds "
-        f"'gpt2' (byte-level BPE) tokenizers, and 'llama' (SentencePiece BPE) for {_GEMMA_ARCHS}"
+        f"tokenizers for ['gpt2'] (byte-level BPE), and for 'llama' (SentencePiece BPE) only "
+        f"with architectures {list(_GEMMA_ARCHS)}"
     )
 
 
