@@ -103,13 +103,21 @@ def build_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         per_request = SWAWindows.worst_case_pages(
             swa_window, cfg.scheduler.prefill_chunk, page_size
         )
+        # Twice the running requests' windows by default: the tree keeps windows too.
+        swa_pages = cfg.kv_pool.swa_num_pages or 2 * max_running * per_request + 1
+        if swa_pages - 1 < per_request:
+            raise ValueError(
+                f"kv_pool.swa_num_pages={swa_pages} cannot hold one request's window "
+                f"({per_request} pages of window {swa_window} + prefill_chunk); raise it"
+            )
         kv.swa = SWAKVPool(
             swa_layers,
-            cfg.kv_pool.swa_num_pages or max_running * per_request + 1,
+            swa_pages,
             page_size,
             model.kv_heads,
             model.head_dim,
             kv.num_slots,
+            swa_window,
             dtype,
             device,
             fence,
@@ -185,11 +193,14 @@ def build_cache(
 ) -> PrefixCache:
     """The UHRC with the components the model's layer types need (or a no-reuse stand-in)."""
     cls = UnifiedRadixCache if cfg.cache.enable else NoReuseCache
-    if kv.swa is not None and cfg.cache.enable:
-        # The tree holds full-pool pages only; a hit would leave the sliding layers' window
-        # unfilled, so requests share nothing until the tree keeps windows.
-        log.warning("prefix reuse is off: the sliding-window pool has no cache component")
-        cls = NoReuseCache
+    if kv.swa is not None:
+        return cls(
+            kv_allocator=kv.allocator,
+            page_size=kv.page_size,
+            components=("full", "swa"),
+            sliding_window=kv.swa.window,
+            swa_allocator=kv.swa.allocator,
+        )
     if recurrent is not None:
         return cls(
             kv_allocator=kv.allocator,

@@ -31,12 +31,14 @@ class SWAKVPool:
         kv_heads: int,
         head_dim: int,
         full_slots: int,
+        window: int,
         dtype: torch.dtype,
         device: torch.device | str,
         fence: StepFence | None = None,
     ) -> None:
         self.allocator = PageAllocator(num_pages, page_size, device, fence)
         self.page_size = page_size
+        self.window = window  # tokens a query sees on these layers (itself included)
         self.num_slots = num_pages * page_size
         shape = (self.num_slots, kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

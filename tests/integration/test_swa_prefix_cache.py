@@ -1,0 +1,148 @@
+"""Prefix reuse through the (FULL, SWA) radix cache on a tiny Gemma 3 (window 8).
+
+The tree keeps the window before every prefill-chunk boundary of an inserted prompt and before
+its end; a hit is valid only where the window before it is present. Outputs must equal those of
+the same engine with the cache off, hits must happen past the window, a hit whose window was
+evicted must be shortened, and a randomized run (shared prefixes, aborts, a window pool small
+enough to force SWA eviction) must balance both pools' ledgers after every step.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from test_gemma3_parity import WINDOW, build_gemma3_checkpoint
+
+from hyloop import LLM, SamplingParams
+from hyloop.cache import EvictParams, EvictResult, MatchPrefixParams, RadixKey
+
+CHUNK = 32
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_gemma3_checkpoint(tmp_path_factory.mktemp("gemma3_cache") / "tiny")
+
+
+def overrides(page_size: int, cache: bool, *extra: str) -> list[str]:
+    return [
+        "graphs.backend=eager",
+        f"kv_pool.page_size={page_size}",
+        "kv_pool.num_pages=2048",
+        f"cache.enable={str(cache).lower()}",
+        f"scheduler.prefill_chunk={CHUNK}",
+        f"scheduler.prefill_token_budget={CHUNK}",
+        *extra,
+    ]
+
+
+def run(llm: LLM, prompt: list[int]) -> tuple[list[int], int]:
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    llm.engine.check_invariants()
+    return out.token_ids, out.num_cached_tokens
+
+
+def rand_ids(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_shared_prefix_longer_than_the_window_hits_and_matches_cache_off(
+    ckpt: Path, page_size: int
+) -> None:
+    prefix = rand_ids(90, 1)
+    prompts = [prefix + rand_ids(20, 2), prefix + rand_ids(25, 3), prefix[:70] + rand_ids(9, 4)]
+    with LLM(model=ckpt, overrides=overrides(page_size, cache=False)) as llm:
+        expected = [run(llm, p)[0] for p in prompts]
+    with LLM(model=ckpt, overrides=overrides(page_size, cache=True)) as llm:
+        got = [run(llm, p) for p in prompts]
+        assert llm.engine.cache.total_size("swa") > 0
+    assert [tokens for tokens, _ in got] == expected
+    # The second prompt shares 90 tokens: at least the chunk boundaries' windows (64) hit.
+    assert got[1][1] >= 2 * CHUNK > WINDOW
+    # The third shares 70 tokens, beyond the 64-token boundary.
+    assert got[2][1] >= 2 * CHUNK
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_hit_whose_window_is_gone_is_shortened(ckpt: Path, page_size: int) -> None:
+    prefix = rand_ids(96, 5)
+    first, second = prefix + rand_ids(17, 6), prefix + rand_ids(21, 7)
+    third = prefix + rand_ids(30, 8)
+    with LLM(model=ckpt, overrides=overrides(page_size, cache=False)) as llm:
+        expected = run(llm, third)[0]
+    with LLM(model=ckpt, overrides=overrides(page_size, cache=True)) as llm:
+        run(llm, first)
+        run(llm, second)  # the shared prefix is now internal in the tree
+        cache = llm.engine.cache
+        key = RadixKey(third[:-1])
+        before = cache.peek_prefix_len(key)
+        assert before >= 2 * CHUNK
+        full_before = cache.total_size("full")
+        evicted: EvictResult = cache.evict(EvictParams(swa_num_tokens=10**6))
+        assert evicted.swa_num_tokens_evicted > 0
+        llm.engine.check_invariants()
+        m = cache.match_prefix(MatchPrefixParams(key=key))
+        # FULL still holds the shared prefix; without its window the hit is cut short.
+        assert cache.total_size("full") > 0 and cache.total_size("full") < full_before
+        assert m.full_prefix_len >= before > m.prefix_len
+        tokens, cached = run(llm, third)
+    assert cached < before
+    assert tokens == expected
+
+
+@pytest.mark.parametrize(("page_size", "swa_pages", "lookahead"), [(1, 100, False), (16, 14, True)])
+def test_randomized_ledger_with_aborts_and_swa_eviction(
+    ckpt: Path, page_size: int, swa_pages: int, lookahead: bool
+) -> None:
+    rng = random.Random(page_size)
+    roots = [rand_ids(60, 10 + i) for i in range(3)]
+    extra = [
+        # About two requests' windows: the tree must give windows back.
+        f"kv_pool.swa_num_pages={swa_pages}",
+        "scheduler.max_running_requests=3",
+        f"lookahead.enable={str(lookahead).lower()}",
+        "lookahead.min_batch=1",
+    ]
+    with LLM(model=ckpt, overrides=overrides(page_size, True, *extra)) as llm:
+        engine = llm.engine
+        cache = engine.cache
+        swa_evictions: list[int] = []
+        evict = cache.evict
+
+        def counting_evict(params: EvictParams) -> EvictResult:
+            result = evict(params)
+            swa_evictions.append(result.swa_num_tokens_evicted)
+            return result
+
+        cache.evict = counting_evict  # type: ignore[method-assign]
+        live: list[str] = []
+        for i in range(24):
+            root = rng.choice(roots)
+            prompt = root[: rng.randint(10, 60)] + rand_ids(rng.randint(1, 30), 100 + i)
+            params = SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 20), ignore_eos=True)
+            engine.add_request(f"r{i}", prompt, params)
+            live.append(f"r{i}")
+            for _ in range(rng.randint(0, 6)):
+                if rng.random() < 0.15 and live:
+                    engine.abort_request(live.pop(rng.randrange(len(live))))
+                engine.step()
+                engine.check_invariants()
+        while engine.has_unfinished_requests():
+            engine.step()
+            engine.check_invariants()
+        engine.check_invariants()
+        assert sum(swa_evictions) > 0, "the small window pool never forced a SWA eviction"
+        # Every page is free or the tree's, in both pools.
+        kv = engine.kv_alloc
+        assert kv.available_size() + cache.total_size("full") == kv.capacity
+        swa = engine.swa_windows
+        assert swa is not None
+        alloc = swa.allocator
+        assert alloc.available_size() + cache.total_size("swa") == alloc.capacity
+        assert cache.num_outstanding_locks() == 0
