@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_gemma3_parity import WINDOW, build_gemma3_checkpoint
+from test_gemma3_parity import TINY_GEMMA3, WINDOW, build_gemma3_checkpoint
 
 from hyloop import LLM, SamplingParams
 from hyloop.cache import EvictParams, EvictResult, MatchPrefixParams, RadixKey
@@ -146,3 +146,22 @@ def test_randomized_ledger_with_aborts_and_swa_eviction(
         alloc = swa.allocator
         assert alloc.available_size() + cache.total_size("swa") == alloc.capacity
         assert cache.num_outstanding_locks() == 0
+
+
+@pytest.mark.parametrize("page_size", [16])
+def test_sharing_900_of_a_1100_token_prompt_hits_at_least_the_chunk_boundary(
+    tmp_path_factory: pytest.TempPathFactory, page_size: int
+) -> None:
+    """Gemma 3's own window (512) with the default prefill_chunk (512)."""
+    config = dict(TINY_GEMMA3, sliding_window=512)
+    path = build_gemma3_checkpoint(tmp_path_factory.mktemp("gemma3_w512") / "tiny", config)
+    first = rand_ids(1100, 20)
+    second = first[:900] + rand_ids(40, 21)
+    base = ["graphs.backend=eager", f"kv_pool.page_size={page_size}", "kv_pool.num_pages=4096"]
+    with LLM(model=path, overrides=[*base, "cache.enable=false"]) as llm:
+        expected = run(llm, second)[0]
+    with LLM(model=path, overrides=base) as llm:
+        run(llm, first)
+        tokens, cached = run(llm, second)
+    assert cached >= 512
+    assert tokens == expected
