@@ -44,7 +44,7 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         # Which buffers this layer owns: ``pool_layer`` indexes the full pool's layers, or the
-        # sliding-window pool's when ``in_swa_pool`` (``DecoderLM.place_kv_layers`` sets both).
+        # sliding-window pool's when ``in_swa_pool`` (the model's ``place_kv_layers`` sets both).
         self.pool_layer = layer_id
         self.in_swa_pool = False
 
