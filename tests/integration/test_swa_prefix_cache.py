@@ -165,3 +165,33 @@ def test_sharing_900_of_a_1100_token_prompt_hits_at_least_the_chunk_boundary(
         tokens, cached = run(llm, second)
     assert cached >= 512
     assert tokens == expected
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cuda_graph_equals_eager_with_the_window_pool_and_cache(ckpt: Path, page_size: int) -> None:
+    """On CUDA the captured step (the window mask and the full->window slot translation are
+    tensor ops) gives eager's tokens, with and without lookahead, on a second pass that hits
+    the cache."""
+    prefix = rand_ids(70, 30)
+    prompts = [rand_ids(n, 31 + n) for n in (1, 9, 17, 40)] + [prefix + [5, 6], prefix + [9] * 9]
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    runs = []
+    for backend, lookahead in (("eager", False), ("cuda_graph", False), ("cuda_graph", True)):
+        extra = [
+            "device=cuda",
+            "graphs.buckets=[1,4,8]",
+            f"lookahead.enable={str(lookahead).lower()}",
+            "lookahead.min_batch=1",
+        ]
+        ov = [o for o in overrides(page_size, True, *extra) if not o.startswith("graphs.backend")]
+        with LLM(model=ckpt, overrides=[*ov, f"graphs.backend={backend}"]) as llm:
+            first = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            second = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            llm.engine.check_invariants()
+            stats = llm.engine.stats()
+        assert first == second and stats["cached_tokens"] > 0
+        assert backend == "eager" or stats["graph_replays"] > 0
+        runs.append(first)
+    assert runs[1] == runs[0] and runs[2] == runs[0]
