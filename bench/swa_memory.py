@@ -31,6 +31,7 @@ from hyloop.framework.assembly import build_parts  # noqa: E402
 from hyloop.framework.config import load_config  # noqa: E402
 from hyloop.framework.engine import Engine  # noqa: E402
 from hyloop.framework.sampling_params import SamplingParams  # noqa: E402
+from hyloop.framework.swa_windows import SWAWindows  # noqa: E402
 
 PROMPT = "Write a long story about a lighthouse keeper who finds a map in a bottle."
 PAGE_SIZE = 16
@@ -49,6 +50,7 @@ def run_engine(
 ) -> dict[str, Any]:
     prompt_tokens = 64  # upper bound of the prompt's length, for sizing the pools
     tokens = n_requests * (prompt_tokens + new_tokens)
+    window_pages = n_requests * SWAWindows.worst_case_pages(512, 512, PAGE_SIZE) + 1
     cfg = load_config(
         None,
         [
@@ -59,6 +61,8 @@ def run_engine(
             f"kv_pool.page_size={PAGE_SIZE}",
             f"kv_pool.num_pages={tokens // PAGE_SIZE + n_requests + 2}",
             f"kv_pool.swa_pool={str(swa_pool).lower()}",
+            # Room for every request's window, whatever the memory budget.
+            f"kv_pool.swa_num_pages={window_pages}",
             "cache.enable=false",
             f"scheduler.max_running_requests={n_requests}",
             "lookahead.enable=false",

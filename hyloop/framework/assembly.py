@@ -81,10 +81,17 @@ def build_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
             f"model.max_context={max_context} exceeds the model's position limit {model_limit}"
         )
     page_size = cfg.kv_pool.page_size
+    max_running = cfg.scheduler.max_running_requests
+    budget = int(cfg.kv_pool.memory_budget_mb * 2**20)
+    swa_window = int(model.sliding_window) if swa_layers else None
+    swa_pages = 0
+    if swa_window is not None:
+        swa_pages = window_pool_pages(cfg, swa_window, swa_layers, model, dtype)
+        swa_token = KVPool.bytes_per_token(swa_layers, model.kv_heads, model.head_dim, dtype)
+        budget -= swa_pages * page_size * swa_token
     per_token = KVPool.bytes_per_token(model.num_kv_layers, model.kv_heads, model.head_dim, dtype)
     num_pages = cfg.kv_pool.num_pages
     if num_pages is None:
-        budget = int(cfg.kv_pool.memory_budget_mb * 2**20)
         num_pages = max(2, budget // (per_token * page_size))
     fence = StepFence()
     kv = KVPool(
@@ -97,19 +104,7 @@ def build_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         device,
         fence,
     )
-    max_running = cfg.scheduler.max_running_requests
-    swa_window = int(model.sliding_window) if swa_layers else None
     if swa_window is not None:
-        per_request = SWAWindows.worst_case_pages(
-            swa_window, cfg.scheduler.prefill_chunk, page_size
-        )
-        # Twice the running requests' windows by default: the tree keeps windows too.
-        swa_pages = cfg.kv_pool.swa_num_pages or 2 * max_running * per_request + 1
-        if swa_pages - 1 < per_request:
-            raise ValueError(
-                f"kv_pool.swa_num_pages={swa_pages} cannot hold one request's window "
-                f"({per_request} pages of window {swa_window} + prefill_chunk); raise it"
-            )
         kv.swa = SWAKVPool(
             swa_layers,
             swa_pages,
@@ -186,6 +181,28 @@ def build_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         derived=derived,
         swa_window=swa_window,
     )
+
+
+def window_pool_pages(
+    cfg: EngineConfig, window: int, layers: int, model: nn.Module, dtype: torch.dtype
+) -> int:
+    """Pages of the sliding-window pool: ``kv_pool.swa_num_pages``, else two windows per
+    running request (the tree keeps windows too) within half the KV memory budget, and never
+    less than one request's window."""
+    ps = cfg.kv_pool.page_size
+    per_request = SWAWindows.worst_case_pages(window, cfg.scheduler.prefill_chunk, ps)
+    pages = cfg.kv_pool.swa_num_pages
+    if pages is None:
+        per_token = KVPool.bytes_per_token(layers, model.kv_heads, model.head_dim, dtype)
+        half_budget = int(cfg.kv_pool.memory_budget_mb * 2**20) // 2 // (per_token * ps)
+        wanted = 2 * cfg.scheduler.max_running_requests * per_request
+        pages = max(per_request, min(wanted, half_budget)) + 1
+    if pages - 1 < per_request:
+        raise ValueError(
+            f"kv_pool.swa_num_pages={pages} cannot hold one request's window ({per_request} "
+            f"pages of sliding window {window} + scheduler.prefill_chunk); raise it"
+        )
+    return pages
 
 
 def build_cache(

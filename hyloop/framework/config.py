@@ -62,7 +62,8 @@ class KVPoolSection(_Section):
     swa_num_pages: int | None = Field(
         None,
         ge=2,
-        description="pages of the sliding-window pool; default: every running request's window",
+        description="pages of the sliding-window pool; default: two windows per running request, "
+        "within half of memory_budget_mb",
     )
 
 
