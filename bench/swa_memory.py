@@ -7,7 +7,8 @@ hold at the worst step (full-pool tokens x the global layers' bytes per token, p
 tokens x the sliding layers'); the prefix cache is off so only running requests count. Then
 transformers ``generate()`` on 8 x 1,000 tokens in the same process, for scale.
 
-``--quick`` shrinks every length (1 x 600, 4 x 600, transformers 2 x 200) for a small machine.
+``--quick`` shrinks every length (1 x 1,500, 4 x 1,000, transformers 2 x 100) for a small
+machine.
 
     python bench/swa_memory.py [--json PATH] [--quick] [--backend eager|compile]
 """
@@ -32,6 +33,7 @@ from hyloop.framework.config import load_config  # noqa: E402
 from hyloop.framework.engine import Engine  # noqa: E402
 from hyloop.framework.sampling_params import SamplingParams  # noqa: E402
 from hyloop.framework.swa_windows import SWAWindows  # noqa: E402
+from hyloop.models.loader import LoadedModel, load_model  # noqa: E402
 
 PROMPT = "Write a long story about a lighthouse keeper who finds a map in a bottle."
 PAGE_SIZE = 16
@@ -46,7 +48,7 @@ def gguf_path() -> Path:
 
 
 def run_engine(
-    path: Path, swa_pool: bool, n_requests: int, new_tokens: int, backend: str
+    loaded: LoadedModel, swa_pool: bool, n_requests: int, new_tokens: int, backend: str
 ) -> dict[str, Any]:
     prompt_tokens = 64  # upper bound of the prompt's length, for sizing the pools
     tokens = n_requests * (prompt_tokens + new_tokens)
@@ -54,7 +56,7 @@ def run_engine(
     cfg = load_config(
         None,
         [
-            f"model.path={path}",
+            f"model.path={loaded.source}",
             f"model.max_context={prompt_tokens + new_tokens}",
             f"graphs.backend={backend}",
             f"graphs.buckets=[{n_requests}]",
@@ -68,7 +70,7 @@ def run_engine(
             "lookahead.enable=false",
         ],
     )
-    parts = build_parts(cfg)
+    parts = build_parts(cfg, loaded)  # one load serves every run (packing is idempotent)
     engine = Engine(parts)
     try:
         model = parts.model
@@ -147,14 +149,15 @@ def main() -> None:
     parser.add_argument("--backend", default="eager", choices=["eager", "compile"])
     args = parser.parse_args()
     path = gguf_path()
+    loaded = load_model(path, torch.float32, torch.device("cpu"))
     if args.quick:
-        workloads, hf_shape = [(1, 600), (4, 600)], (2, 200)
+        workloads, hf_shape = [(1, 1500), (4, 1000)], (2, 100)
     else:
         workloads, hf_shape = [(1, 4000), (16, 2000)], (8, 1000)
     rows: list[dict[str, Any]] = []
     for n, new in workloads:
         for swa_pool in (True, False):
-            rows.append(run_engine(path, swa_pool, n, new, args.backend))
+            rows.append(run_engine(loaded, swa_pool, n, new, args.backend))
             print(f"done: {n} x {new} swa_pool={swa_pool}", file=sys.stderr)
     hf = run_transformers(path, *hf_shape)
     cpu = lscpu_fields().get("Model name") or cpu_name()
