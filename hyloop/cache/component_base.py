@@ -39,6 +39,10 @@ class ComponentHost(Protocol):
         """Give KV slot ``indices`` back to the KV allocator at the end of the operation."""
         ...
 
+    def queue_swa_free(self, indices: torch.Tensor) -> None:
+        """Give sliding-window pool slot ``indices`` back at the end of the operation."""
+        ...
+
     def queue_slot_free(self, slot: int) -> None:
         """Give a recurrent snapshot ``slot`` back to its allocator at the end of the operation."""
         ...

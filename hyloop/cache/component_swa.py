@@ -1,17 +1,22 @@
 """SWA component: sliding-window KV, reusable only where the last ``window`` tokens are present.
 
-hyloop's KV pool gives every layer the same slot indices, so the SWA value of a node is its
-FULL slots seen by the window layers. A tombstone marks the window layers' entries there as not
-reusable: a hit must end where the ``window`` tokens before it all carry SWA data (or reach the
-root). Tombstoning frees no slots here because FULL still holds them; the accounting is kept
-per component so a pool with separate window slots can free into its own allocator.
+A tombstone marks the window layers' entries of a node as not reusable: a hit must end where the
+``window`` tokens before it all carry SWA data (or reach the root).
+
+Two layouts. Without an allocator of its own, every layer shares the KV pool's slot indices, so
+the SWA value of a node is its FULL slots seen by the window layers and tombstoning frees
+nothing. With one (the window layers keep a pool of their own), the value is that pool's slots
+for the node's tokens, the tree core hands them in (``fill``), and tombstoning frees them.
 """
 
 from __future__ import annotations
 
+import torch
+
 from hyloop.cache.component_base import CacheComponent, ComponentHost
 from hyloop.cache.lru import LRUList
 from hyloop.cache.node import FULL, SWA, TreeNode
+from hyloop.pools.page_allocator import PageAllocator
 
 # Run length standing for "no tombstone between the root and here".
 _FROM_ROOT = 1 << 62
@@ -24,11 +29,14 @@ class SWAComponent(CacheComponent):
     name = "swa"
     priority = 1
 
-    def __init__(self, cache: ComponentHost, window: int) -> None:
+    def __init__(
+        self, cache: ComponentHost, window: int, allocator: PageAllocator | None = None
+    ) -> None:
         super().__init__(cache)
         if not isinstance(window, int) or window < 1:
             raise ValueError(f"sliding_window must be an int >= 1, got {window!r}")
         self.window = window
+        self.allocator = allocator  # the window layers' own pool, or None (shared slots)
         self.lru = LRUList()
 
     # -- match ----------------------------------------------------------------------------------
@@ -70,9 +78,9 @@ class SWAComponent(CacheComponent):
                 self.lru.push_mru(cd, stamp)
 
     # -- structure ------------------------------------------------------------------------------
-    def _set(self, node: TreeNode, stamp: int) -> None:
+    def _set(self, node: TreeNode, stamp: int, value: torch.Tensor | None = None) -> None:
         cd = node.component_data[SWA]
-        cd.value = node.component_data[FULL].value
+        cd.value = node.component_data[FULL].value if value is None else value
         if cd.lock_ref:
             self.protected += node.length
         else:
@@ -80,20 +88,30 @@ class SWAComponent(CacheComponent):
         self.lru.push_mru(cd, stamp)
 
     def on_new_node(self, node: TreeNode, stamp: int) -> None:
-        self._set(node, stamp)
+        if self.allocator is None:  # own pool: a tombstone until the core fills it
+            self._set(node, stamp)
 
     def on_insert_overlap(self, node: TreeNode, stamp: int) -> None:
         # The inserting request just computed these tokens, window layers included.
-        if node.component_data[SWA].value is None:
+        if self.allocator is None and node.component_data[SWA].value is None:
             self._set(node, stamp)
+
+    def fill(self, node: TreeNode, value: torch.Tensor, stamp: int) -> None:
+        """Own pool: give tombstoned ``node`` the window pool's slots of its tokens."""
+        assert self.allocator is not None and node.component_data[SWA].value is None
+        assert value.numel() == node.length, (value.numel(), node.length)
+        self._set(node, stamp, value)
 
     def on_split(self, upper: TreeNode, lower: TreeNode) -> None:
         src = lower.component_data[SWA]
         dst = upper.component_data[SWA]
         dst.lock_ref = src.lock_ref
         if src.value is not None:
-            src.value = lower.component_data[FULL].value
-            dst.value = upper.component_data[FULL].value
+            if self.allocator is None:
+                src.value = lower.component_data[FULL].value
+                dst.value = upper.component_data[FULL].value
+            else:
+                dst.value, src.value = src.value[: upper.length], src.value[upper.length :]
             self.lru.insert_after(src, dst)
 
     def drop(self, node: TreeNode) -> int:
@@ -102,6 +120,8 @@ class SWAComponent(CacheComponent):
         if cd.value is None:
             return 0
         self.lru.remove(cd)
+        if self.allocator is not None:
+            self.cache.queue_swa_free(cd.value)
         cd.value = None
         self.evictable -= node.length
         return node.length
@@ -175,7 +195,10 @@ class SWAComponent(CacheComponent):
                 raise AssertionError(f"swa: node {node.id} LRU membership disagrees with value")
             if cd.value is None:
                 continue
-            if cd.value is not node.component_data[FULL].value:
+            if self.allocator is not None:
+                if cd.value.numel() != node.length:
+                    raise AssertionError(f"swa: node {node.id} holds {cd.value.numel()} slots")
+            elif cd.value is not node.component_data[FULL].value:
                 raise AssertionError(f"swa: node {node.id} SWA value is not its FULL slots")
             if cd.lock_ref:
                 protected += node.length

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hyloop.cache.node import FULL, RECURRENT, TreeNode
+from hyloop.cache.node import FULL, RECURRENT, SWA, TreeNode
 
 if TYPE_CHECKING:
     from hyloop.cache.tree import UnifiedRadixCache
@@ -85,6 +85,28 @@ def _check_kv_ledger(
         raise AssertionError("kv ledger: evictable + protected != tokens held by the tree")
 
 
+def _check_swa_pool(cache: UnifiedRadixCache, nodes: list[TreeNode]) -> None:
+    """SWA with a pool of its own: its slots held once, in whole pages, none of them free.
+    (The pool's ledger with the requests' windows is the engine's: ``SWAWindows.check``.)"""
+    swa = cache.swa
+    if swa is None or swa.allocator is None:
+        return
+    values = [n.component_data[SWA].value for n in nodes]
+    values = [v for v in values if v is not None]
+    held = torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
+    if held.numel() != torch.unique(held).numel():
+        raise AssertionError("swa ledger: a window-pool slot is held by two tree nodes")
+    ps = cache.page_size
+    pages = torch.unique(held // ps).numpy()
+    if len(pages) * ps != held.numel():
+        raise AssertionError("swa ledger: tree nodes hold partial window-pool pages")
+    both = pages[swa.allocator.is_free_page(pages)]
+    if len(both):
+        raise AssertionError(f"swa ledger: pages {both[:8].tolist()} are free and in the tree")
+    if swa.evictable + swa.protected != held.numel():
+        raise AssertionError("swa ledger: evictable + protected != tokens held by the tree")
+
+
 def _check_slot_ledger(
     cache: UnifiedRadixCache, nodes: list[TreeNode], request_held: int, pending_free: int
 ) -> None:
@@ -125,6 +147,7 @@ def check_cache(
         c.check(nodes)
     _check_locks(cache, nodes)
     _check_kv_ledger(cache, nodes, request_held_tokens, pending_free_tokens)
+    _check_swa_pool(cache, nodes)
     _check_slot_ledger(cache, nodes, request_held_slots, pending_free_slots)
-    if cache._kv_to_free or cache._slots_to_free:
+    if cache._kv_to_free or cache._swa_to_free or cache._slots_to_free:
         raise AssertionError("tree: frees are queued outside an operation")

@@ -41,6 +41,7 @@ class NoReuseCache:
         components: Iterable[str] = ("full",),
         sliding_window: int | None = None,
         recurrent_allocator: SlotAllocator | None = None,
+        swa_allocator: PageAllocator | None = None,
     ) -> None:
         if not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")

@@ -67,11 +67,18 @@ class InsertParams:
 
     ``recurrent_slot``: a snapshot slot holding the recurrent state after the whole key; the tree
     takes it only when the key length is a page multiple (see ``InsertResult``).
+
+    ``swa_value`` (SWA with a pool of its own): the window pool's slot of each token, valid from
+    ``swa_from`` (a page multiple; what the caller still holds). The tree keeps the window
+    before the key's end and fills any window-less node it already had from ``swa_from`` on;
+    ``InsertResult.swa_taken`` says which slots it took.
     """
 
     key: RadixKey
     value: torch.Tensor
     recurrent_slot: int | None = None
+    swa_value: torch.Tensor | None = None
+    swa_from: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +99,7 @@ class InsertResult:
     num_freed: int = 0
     recurrent_taken: bool = False
     recurrent_stored: bool = False
+    swa_taken: tuple[tuple[int, int], ...] = ()  # token ranges of swa_value the tree now owns
 
 
 @dataclass(frozen=True, slots=True)

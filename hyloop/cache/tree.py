@@ -76,6 +76,7 @@ class UnifiedRadixCache:
         components: Iterable[str] = ("full",),
         sliding_window: int | None = None,
         recurrent_allocator: SlotAllocator | None = None,
+        swa_allocator: PageAllocator | None = None,
     ) -> None:
         names = tuple(components)
         if set(names) not in _ALLOWED or len(set(names)) != len(names):
@@ -103,6 +104,7 @@ class UnifiedRadixCache:
         # receipt id -> (receipt, what each component's lock returned, by component kind)
         self._receipts: dict[int, tuple[IncLockRefResult, dict[int, Any]]] = {}
         self._kv_to_free: list[torch.Tensor] = []
+        self._swa_to_free: list[torch.Tensor] = []
         self._slots_to_free: list[int] = []
         # Told of every node the tree removes (e.g. the position-independent donor index).
         self.delete_listeners: list[Callable[[TreeNode], None]] = []
@@ -113,9 +115,15 @@ class UnifiedRadixCache:
         if "swa" in names:
             if sliding_window is None:
                 raise ValueError("components ('full', 'swa') need sliding_window=<tokens>")
-            self.swa = SWAComponent(self, sliding_window)
-        elif sliding_window is not None:
-            raise ValueError(f"sliding_window={sliding_window} given without the 'swa' component")
+            if swa_allocator is not None and swa_allocator.page_size != page_size:
+                raise ValueError(
+                    f"swa_allocator page_size {swa_allocator.page_size} differs from {page_size}"
+                )
+            self.swa = SWAComponent(self, sliding_window, swa_allocator)
+        elif sliding_window is not None or swa_allocator is not None:
+            raise ValueError(
+                f"sliding_window={sliding_window} / swa_allocator given without the 'swa' component"
+            )
         if "recurrent" in names:
             if recurrent_allocator is None:
                 raise ValueError(
@@ -231,6 +239,11 @@ class UnifiedRadixCache:
             vals = self._kv_to_free
             self._kv_to_free = []
             self.kv_allocator.free(vals[0] if len(vals) == 1 else torch.cat(vals))
+        if self._swa_to_free:
+            vals = self._swa_to_free
+            self._swa_to_free = []
+            assert self.swa is not None and self.swa.allocator is not None
+            self.swa.allocator.free(torch.cat(vals))
         if self._slots_to_free:
             slots = self._slots_to_free
             self._slots_to_free = []
@@ -265,6 +278,9 @@ class UnifiedRadixCache:
 
     def queue_kv_free(self, indices: torch.Tensor) -> None:
         self._kv_to_free.append(indices)
+
+    def queue_swa_free(self, indices: torch.Tensor) -> None:
+        self._swa_to_free.append(indices)
 
     def queue_slot_free(self, slot: int) -> None:
         self._slots_to_free.append(slot)
@@ -327,6 +343,8 @@ class UnifiedRadixCache:
         pos = 0  # bytes
         overlap: list[torch.Tensor] = []
         aux = self.aux
+        swa_from, swa_keep = self._swa_range(params, n)
+        taken: list[tuple[int, int]] = []
         while pos < nb:
             ck = tokens[pos : pos + pb]
             child = node.children.get((key.extra_key, ck) if node is self.root else ck)
@@ -335,19 +353,33 @@ class UnifiedRadixCache:
             m = page_match_bytes(child.key, tokens, pos, pb)
             if m < len(child.key):
                 child = self._split(child, m // TOKEN_BYTES)
+            window_less = child.component_data[SWA].value is None
+            if window_less and child.start_depth < swa_from < child.depth:
+                child = self._split(child, swa_from - child.start_depth)  # fill from swa_from
             child.component_data[FULL].last_access = stamp
             for c in aux:
                 c.on_insert_overlap(child, stamp)
+            if window_less and child.start_depth >= swa_from:
+                self._fill_swa(child, params, taken, stamp)
             overlap.append(child.component_data[FULL].value)
-            pos += m
+            pos += len(child.key)
             node = child
         prefix_len = pos // TOKEN_BYTES
         if pos < nb:
-            own = value[prefix_len:n].to(dtype=torch.int64, copy=True)
-            node = self._add_leaf(node, key.extra_key, tokens[pos:nb], own, stamp)
+            start = prefix_len
+            if prefix_len < swa_keep < n:  # the window before the end gets a node of its own
+                own = value[prefix_len:swa_keep].to(dtype=torch.int64, copy=True)
+                cut = swa_keep * TOKEN_BYTES
+                node = self._add_leaf(node, key.extra_key, tokens[pos:cut], own, stamp)
+                start = swa_keep
+            own = value[start:n].to(dtype=torch.int64, copy=True)
+            node = self._add_leaf(node, key.extra_key, tokens[start * TOKEN_BYTES : nb], own, stamp)
+            if swa_keep < n:
+                self._fill_swa(node, params, taken, stamp)
         else:
             self.full.note_leaf(node)
         num_freed = self._free_duplicates(value, overlap, prefix_len) if prefix_len else 0
+        swa_taken = taken
         taken = stored = False
         if params.recurrent_slot is not None:
             if self.recurrent is None:
@@ -366,7 +398,36 @@ class UnifiedRadixCache:
             num_freed=num_freed,
             recurrent_taken=taken,
             recurrent_stored=stored,
+            swa_taken=tuple(swa_taken),
         )
+
+    def _swa_range(self, params: InsertParams, n: int) -> tuple[int, int]:
+        """``(swa_from, swa_keep)`` of an insert of ``n`` aligned tokens: window-less nodes the
+        tree has are filled from ``swa_from``; new nodes keep window data from ``swa_keep``
+        (the window before the end). ``(n, n)`` when nothing is handed in."""
+        swa = self.swa
+        if swa is None or swa.allocator is None or params.swa_value is None:
+            return n, n
+        if params.swa_value.dim() != 1 or len(params.swa_value) != len(params.key):
+            raise ValueError(
+                f"insert: swa_value must be a 1-D tensor with one index per token "
+                f"({len(params.key)}), got {tuple(params.swa_value.shape)}"
+            )
+        ps = self.page_size
+        swa_from = min(n, -(-max(0, params.swa_from) // ps) * ps)
+        keep = max(swa_from, (n - swa.window) // ps * ps)
+        return swa_from, min(n, keep)
+
+    def _fill_swa(
+        self, node: TreeNode, params: InsertParams, taken: list[tuple[int, int]], stamp: int
+    ) -> None:
+        assert self.swa is not None and params.swa_value is not None
+        a, b = node.start_depth, node.depth
+        self.swa.fill(node, params.swa_value[a:b].to(dtype=torch.int64, copy=True), stamp)
+        if taken and taken[-1][1] == a:
+            taken[-1] = (taken[-1][0], b)
+        else:
+            taken.append((a, b))
 
     # -- locks ----------------------------------------------------------------------------------
     def inc_lock_ref(self, node: TreeNode) -> IncLockRefResult:

@@ -16,6 +16,7 @@ from hyloop.framework.config import EngineConfig
 from hyloop.framework.frame_step import FrameRunner
 from hyloop.framework.model_runner import ModelRunner, usable_buckets
 from hyloop.framework.position_independent import PositionIndependentReuse
+from hyloop.framework.swa_windows import SWAWindows
 from hyloop.graphs.auto_plan import Estimates
 from hyloop.graphs.buckets import ArtifactKey
 from hyloop.graphs.history import StepHistory, history_key
@@ -24,7 +25,7 @@ from hyloop.models.layers.kernel_choice import cache_dir, calibrate, machine_key
 from hyloop.models.layers.packed_linear import PackedLinear, pack_linears, packing_available
 from hyloop.models.loader import LoadedModel, load_model
 from hyloop.models.tokenizer import TextTokenizer
-from hyloop.pools import KVPool, RecurrentPool, ReqToTokenPool, StepFence
+from hyloop.pools import KVPool, RecurrentPool, ReqToTokenPool, StepFence, SWAKVPool
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class EngineParts:
     weight_bytes: int
     derived: dict[str, Any]
     pi_reuse: PositionIndependentReuse | None = None  # cache.position_independent
+    swa_window: int | None = None  # sliding window of the layers in kv_pool.swa, if any
 
 
 def resolve_device(name: str) -> torch.device:
@@ -86,6 +88,9 @@ def build_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         if cfg.model.cpu_kernels == "measure":
             kernels = choose_kernels(cfg, model)
     spec = model.spec
+    swa_layers = 0
+    if getattr(model, "sliding_layers", ()):
+        _, swa_layers = model.place_kv_layers(cfg.kv_pool.swa_pool)
     model_limit = int(getattr(spec, "max_positions", DEFAULT_MAX_CONTEXT))
     max_context = cfg.model.max_context or min(model_limit, DEFAULT_MAX_CONTEXT)
     if max_context > model_limit:
@@ -93,10 +98,17 @@ def build_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
             f"model.max_context={max_context} exceeds the model's position limit {model_limit}"
         )
     page_size = cfg.kv_pool.page_size
+    max_running = cfg.scheduler.max_running_requests
+    budget = int(cfg.kv_pool.memory_budget_mb * 2**20)
+    swa_window = int(model.sliding_window) if swa_layers else None
+    swa_pages = 0
+    if swa_window is not None:
+        swa_pages = window_pool_pages(cfg, swa_window, swa_layers, model, dtype)
+        swa_token = KVPool.bytes_per_token(swa_layers, model.kv_heads, model.head_dim, dtype)
+        budget -= swa_pages * page_size * swa_token
     per_token = KVPool.bytes_per_token(model.num_kv_layers, model.kv_heads, model.head_dim, dtype)
     num_pages = cfg.kv_pool.num_pages
     if num_pages is None:
-        budget = int(cfg.kv_pool.memory_budget_mb * 2**20)
         num_pages = max(2, budget // (per_token * page_size))
     fence = StepFence()
     kv = KVPool(
@@ -109,7 +121,19 @@ def build_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         device,
         fence,
     )
-    max_running = cfg.scheduler.max_running_requests
+    if swa_window is not None:
+        kv.swa = SWAKVPool(
+            swa_layers,
+            swa_pages,
+            page_size,
+            model.kv_heads,
+            model.head_dim,
+            kv.num_slots,
+            swa_window,
+            dtype,
+            device,
+            fence,
+        )
     req_to_token = ReqToTokenPool(max_running, max_context, device, fence)
     vocab_size = int(getattr(model, "max_vocab", spec.vocab_size))
     recurrent, track_interval = None, None
@@ -153,6 +177,9 @@ def build_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         "kv_pages": num_pages,
         "kv_tokens": (num_pages - 1) * page_size,
         "kv_bytes": kv.nbytes(),
+        "swa_window": swa_window,
+        "swa_pages": kv.swa.allocator.num_pages if kv.swa is not None else 0,
+        "swa_bytes": kv.swa.nbytes() if kv.swa is not None else 0,
         "cache": type(cache).__name__,
         "backend": runner.backend,
         "step": type(runner).__name__,
@@ -187,7 +214,30 @@ def build_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         weight_bytes=loaded.weight_bytes,
         derived=derived,
         pi_reuse=pi_reuse,
+        swa_window=swa_window,
     )
+
+
+def window_pool_pages(
+    cfg: EngineConfig, window: int, layers: int, model: nn.Module, dtype: torch.dtype
+) -> int:
+    """Pages of the sliding-window pool: ``kv_pool.swa_num_pages``, else two windows per
+    running request (the tree keeps windows too) within half the KV memory budget, and never
+    less than one request's window."""
+    ps = cfg.kv_pool.page_size
+    per_request = SWAWindows.worst_case_pages(window, cfg.scheduler.prefill_chunk, ps)
+    pages = cfg.kv_pool.swa_num_pages
+    if pages is None:
+        per_token = KVPool.bytes_per_token(layers, model.kv_heads, model.head_dim, dtype)
+        half_budget = int(cfg.kv_pool.memory_budget_mb * 2**20) // 2 // (per_token * ps)
+        wanted = 2 * cfg.scheduler.max_running_requests * per_request
+        pages = max(per_request, min(wanted, half_budget)) + 1
+    if pages - 1 < per_request:
+        raise ValueError(
+            f"kv_pool.swa_num_pages={pages} cannot hold one request's window ({per_request} "
+            f"pages of sliding window {window} + scheduler.prefill_chunk); raise it"
+        )
+    return pages
 
 
 def build_cache(
@@ -195,6 +245,14 @@ def build_cache(
 ) -> PrefixCache:
     """The UHRC with the components the model's layer types need (or a no-reuse stand-in)."""
     cls = UnifiedRadixCache if cfg.cache.enable else NoReuseCache
+    if kv.swa is not None:
+        return cls(
+            kv_allocator=kv.allocator,
+            page_size=kv.page_size,
+            components=("full", "swa"),
+            sliding_window=kv.swa.window,
+            swa_allocator=kv.swa.allocator,
+        )
     if recurrent is not None:
         return cls(
             kv_allocator=kv.allocator,

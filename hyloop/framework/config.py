@@ -55,6 +55,16 @@ class KVPoolSection(_Section):
     memory_budget_mb: float = Field(
         512.0, gt=0, description="KV memory budget when num_pages is not given"
     )
+    swa_pool: bool = Field(
+        True,
+        description="sliding-window layers keep KV for their window only, in a pool of their own",
+    )
+    swa_num_pages: int | None = Field(
+        None,
+        ge=2,
+        description="pages of the sliding-window pool; default: two windows per running request, "
+        "within half of memory_budget_mb",
+    )
 
 
 class RecurrentPoolSection(_Section):

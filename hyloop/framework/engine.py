@@ -27,6 +27,7 @@ from hyloop.framework.recorder import StepRecorder
 from hyloop.framework.request import Request, RequestOutput
 from hyloop.framework.request_memory import RequestMemory
 from hyloop.framework.sampling_params import SamplingParams
+from hyloop.framework.swa_windows import SWAWindows
 from hyloop.framework.sync_loop import SyncLoop
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,11 @@ class Engine:
         self.max_context = parts.max_context
         self.eos_ids: frozenset[int] = frozenset(parts.eos_token_ids)
         self._rng = random.Random(self.cfg.seed)
+        swa_pool = parts.kv_pool.swa
+        self.swa_windows = None
+        if swa_pool is not None and parts.swa_window is not None:
+            chunk = self.cfg.scheduler.prefill_chunk
+            self.swa_windows = SWAWindows(swa_pool, parts.swa_window, chunk)
         memory = RequestMemory(
             parts.cache,
             self.kv_alloc,
@@ -58,6 +64,7 @@ class Engine:
             self.max_context,
             parts.track_interval,
             parts.pi_reuse,
+            self.swa_windows,
         )
         self.requests = RequestLifecycle(
             memory, self.cfg.scheduler, parts.max_running, parts.fence, parts.tokenizer
@@ -277,5 +284,7 @@ class Engine:
         d["weight_bytes"] = self.parts.weight_bytes
         d["kv_free_tokens"] = self.kv_alloc.available_size()
         d["kv_capacity_tokens"] = self.kv_alloc.capacity
+        d["kv_full_tokens_used"] = self.kv_alloc.capacity - self.kv_alloc.available_size()
+        d["kv_swa_tokens_used"] = self.swa_windows.used_tokens() if self.swa_windows else 0
         d["cache_evictable_tokens"] = self.cache.evictable_size()
         return d

@@ -93,6 +93,7 @@ class StepPipeline:
         plans = batch.is_decode and getattr(self.kind, "wants_plan", False)
         outlook = self.outlook() if plans else None
         for c in batch.chunks:
+            memory.advance_window(c.req, c.start, c.start + c.length)
             c.track_slot = memory.take_track_slot(c.start + c.length)
             if batch.is_decode or c.completes_prompt:
                 if c.out_pos < 0:

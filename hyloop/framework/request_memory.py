@@ -32,6 +32,7 @@ from hyloop.cache import (
     RadixKey,
 )
 from hyloop.framework.request import Request
+from hyloop.framework.swa_windows import SWAWindows
 from hyloop.pools import PageAllocator, RecurrentPool, ReqToTokenPool, SlotRole
 
 if TYPE_CHECKING:
@@ -52,8 +53,11 @@ class RequestMemory:
         max_context: int,
         track_interval: int | None,
         pi_reuse: PositionIndependentReuse | None = None,
+        swa: SWAWindows | None = None,
     ) -> None:
         self.cache = cache
+        self.swa = swa  # sliding-window pages of running requests (models with such layers)
+        self.swa_in_tree = swa is not None and cache.reuses_prefixes
         self.kv = kv_allocator
         self.page_size: int = kv_allocator.page_size
         self.req_to_token = req_to_token
@@ -87,6 +91,8 @@ class RequestMemory:
         enough = self._ensure_pages(self.kv.pages_for(own_tokens))
         if enough and self.recurrent is not None:
             enough = self._ensure_slots(1)
+        if enough and self.swa is not None:
+            enough = self._ensure_swa(req)
         if not enough:
             for d in [*donors, lock]:
                 self.cache.dec_lock_ref(d.to_dec_params())
@@ -105,6 +111,8 @@ class RequestMemory:
         req.lock = lock
         req.num_cached = cached
         req.num_computed = cached
+        if self.swa is not None:
+            self.swa.reserve(req, cached)
         row = self.req_to_token.alloc()
         assert row is not None
         req.req_row = row
@@ -126,12 +134,31 @@ class RequestMemory:
             self.cache.evict(EvictParams(num_tokens=short * self.page_size))
         return self.kv.num_free_pages() >= pages
 
+    def _ensure_swa(self, req: Request) -> bool:
+        """Room in the sliding-window pool for ``req``'s window next to the running ones',
+        evicting the tree's unlocked windows when short."""
+        assert self.swa is not None
+        if not self.swa.fits(req):
+            return False
+        self._evict_swa(self.swa.shortfall(req))
+        return self.swa.shortfall(req) <= 0
+
+    def _evict_swa(self, pages: int) -> None:
+        if pages > 0 and self.swa_in_tree and self.cache.evictable_size("swa") > 0:
+            self.cache.evict(EvictParams(swa_num_tokens=pages * self.page_size))
+
     def _ensure_slots(self, n: int) -> bool:
         assert self.recurrent is not None
         short = n - self.recurrent.available_size()
         if short > 0:
             self.cache.evict(EvictParams(recurrent_num=short))
         return self.recurrent.available_size() >= n
+
+    def advance_window(self, req: Request, start: int, end: int) -> None:
+        """Before a step computes ``[start, end)``: sliding-window pages in and out."""
+        if self.swa is not None and req.slots is not None:
+            self._evict_swa(self.swa.shortfall_for(req, start, end))
+            self.swa.advance(req, start, end)
 
     # -- tracks (hybrid models) -----------------------------------------------------------------
     def chunk_limit(self, req: Request, start: int, length: int) -> int:
@@ -161,7 +188,16 @@ class RequestMemory:
         """Insert ``all_ids[:n]`` while the request keeps running; move its lock to the new node."""
         assert req.slots is not None
         key = RadixKey(req.all_ids[:n])
-        r = self.cache.insert(InsertParams(key=key, value=req.slots[:n], recurrent_slot=state_slot))
+        swa_value, swa_from = self._swa_insert_value(req, n)
+        r = self.cache.insert(
+            InsertParams(
+                key=key,
+                value=req.slots[:n],
+                recurrent_slot=state_slot,
+                swa_value=swa_value,
+                swa_from=swa_from,
+            )
+        )
         self._settle_state_slot(state_slot, r)
         if self.pi is not None:
             self.pi.note(req, key, r)
@@ -173,6 +209,9 @@ class RequestMemory:
             assert m.prefix_len == r.aligned_len, (m.prefix_len, r.aligned_len)
             req.slots[: r.aligned_len] = m.device_indices
             self.req_to_token.write(req.req_row, 0, req.slots[: r.aligned_len])
+        if self.swa_in_tree:
+            assert self.swa is not None
+            self.swa.hand_over(req, r.aligned_len, r.swa_taken)
         new_lock = self.cache.inc_lock_ref(r.last_node)
         self.cache.dec_lock_ref(req.lock.to_dec_params())
         req.lock = new_lock
@@ -193,11 +232,21 @@ class RequestMemory:
             aligned = n % self.page_size == 0
             snapshot = state if state and aligned and state_current and self.reuse else None
             key = RadixKey(req.all_ids[:n])
+            swa_value, swa_from = self._swa_insert_value(req, n)
             r = self.cache.insert(
-                InsertParams(key=key, value=req.slots[:n], recurrent_slot=snapshot)
+                InsertParams(
+                    key=key,
+                    value=req.slots[:n],
+                    recurrent_slot=snapshot,
+                    swa_value=swa_value,
+                    swa_from=swa_from,
+                )
             )
             if self.pi is not None:
                 self.pi.note(req, key, r)
+            if self.swa_in_tree:
+                assert self.swa is not None
+                self.swa.hand_over(req, r.aligned_len, r.swa_taken)
             if snapshot is not None and r.recurrent_taken:
                 state = 0  # handed to the tree (stored, or freed as a duplicate)
             if snapshot is not None:
@@ -210,10 +259,18 @@ class RequestMemory:
             self.kv.free(own)
         if state and self.recurrent is not None:
             self.recurrent.release([state])
+        if self.swa is not None:
+            self.swa.release(req)
         req.state_slot = 0
         self.req_to_token.free(req.req_row)
         req.req_row = -1
         req.slots = None
+
+    def _swa_insert_value(self, req: Request, n: int) -> tuple[torch.Tensor | None, int]:
+        if not self.swa_in_tree:
+            return None, 0
+        assert self.swa is not None
+        return self.swa.insert_value(req, n)
 
     def _settle_state_slot(
         self, slot: int | None, r: InsertResult, release_if_kept: bool = True
@@ -234,6 +291,9 @@ class RequestMemory:
         pending = self.kv.pending_size()
         if self.pi is not None:
             self.pi.check()
+        if self.swa is not None:
+            tree_swa = self.cache.total_size("swa") if self.swa_in_tree else 0
+            self.swa.check(running, tree_swa)
         if self.recurrent is None:
             self.cache.check_invariants(request_held_tokens=held, pending_free_tokens=pending)
             return

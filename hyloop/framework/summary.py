@@ -20,6 +20,9 @@ def render_summary(llm: Any) -> str:
         "(kept out of the step times)",
         f"kv pool        page_size {cfg.kv_pool.page_size}    pages {d['kv_pages']}    "
         f"free {s['kv_free_tokens']}/{s['kv_capacity_tokens']} tokens",
+        f"kv in use      full {s['kv_full_tokens_used']} tokens    "
+        f"sliding-window {s['kv_swa_tokens_used']} tokens"
+        + (f" (window {d['swa_window']}, {d['swa_pages']} pages)" if d.get("swa_window") else ""),
         f"cache          {'on' if cfg.cache.enable else 'off'} ({d['cache']})    "
         f"cached tokens {s['cached_tokens']}    evictable {s['cache_evictable_tokens']}",
         f"pi reuse       {_pi_line(cfg.cache.position_independent, s)}",

@@ -1,4 +1,5 @@
-"""Memory pools: paged KV, the req->token table and the recurrent-state pool."""
+"""Memory pools: paged KV (full and sliding-window), the req->token table and the
+recurrent-state pool."""
 
 from hyloop.pools.kv_pool import KVPool
 from hyloop.pools.page_allocator import PageAllocator
@@ -6,6 +7,7 @@ from hyloop.pools.recurrent_pool import RecurrentPool, SlotRole
 from hyloop.pools.req_to_token import ReqToTokenPool
 from hyloop.pools.slot_allocator import SlotAllocator
 from hyloop.pools.step_fence import DeferredFrees, StepFence
+from hyloop.pools.swa_pool import SWAKVPool
 
 __all__ = [
     "DeferredFrees",
@@ -16,4 +18,5 @@ __all__ = [
     "SlotAllocator",
     "SlotRole",
     "StepFence",
+    "SWAKVPool",
 ]

@@ -6,6 +6,7 @@ import torch
 
 from hyloop.pools.page_allocator import PageAllocator
 from hyloop.pools.step_fence import StepFence
+from hyloop.pools.swa_pool import SWAKVPool
 
 
 class KVPool:
@@ -32,6 +33,8 @@ class KVPool:
         shape = (self.num_slots, kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # Sliding-window layers' own pool, when the model has them and they are pooled apart.
+        self.swa: SWAKVPool | None = None
 
     @staticmethod
     def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

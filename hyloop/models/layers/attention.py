@@ -14,7 +14,9 @@ class PagedAttention(nn.Module):
     """Scaled dot-product attention over the paged KV pool of one layer.
 
     Keys of row ``b`` are the first ``ctx.kv_len`` columns of its req->token row; key column
-    ``j`` (= absolute position ``j``) is visible to a query at position ``p`` iff ``j <= p``.
+    ``j`` (= absolute position ``j``) is visible to a query at position ``p`` iff ``j <= p``
+    and, on a sliding-window layer, ``j > p - sliding_window`` (the window is a mask over the
+    same columns, so the step's shapes do not depend on it).
     NOTE: padded rows point at the padding request row (all slot 0) with position 0, so they
     see exactly one key (the sink) and never produce NaN.
 
@@ -24,7 +26,13 @@ class PagedAttention(nn.Module):
     """
 
     def __init__(
-        self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
+        self,
+        layer_id: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -34,6 +42,11 @@ class PagedAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window
+        # Which buffers this layer owns: ``pool_layer`` indexes the full pool's layers, or the
+        # sliding-window pool's when ``in_swa_pool`` (the model's ``place_kv_layers`` sets both).
+        self.pool_layer = layer_id
+        self.in_swa_pool = False
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext
@@ -41,10 +54,16 @@ class PagedAttention(nn.Module):
         """``q [B,T,Hq,D]``, ``k``/``v [B,T,Hkv,D]`` -> ``[B,T,Hq*D]``."""
         b, t = q.shape[:2]
         hkv, d = self.num_kv_heads, self.head_dim
-        k_buf, v_buf = ctx.kv.k[self.layer_id], ctx.kv.v[self.layer_id]
-        write_kv(k_buf, v_buf, ctx.out_cache_loc, k, v)
+        slots, mask = self._step_meta(ctx, b, t, q.device, self.sliding_window)
+        if self.in_swa_pool:
+            swa = ctx.kv.swa
+            k_buf, v_buf = swa.k[self.pool_layer], swa.v[self.pool_layer]
+            loc, slots = self._swa_slots(ctx, slots)
+        else:
+            k_buf, v_buf = ctx.kv.k[self.pool_layer], ctx.kv.v[self.pool_layer]
+            loc = ctx.out_cache_loc
+        write_kv(k_buf, v_buf, loc, k, v)
 
-        slots, mask = self._step_meta(ctx, b, t, q.device)
         # index_select on the flat slot list is ~5x faster than advanced indexing on CPU.
         keys = k_buf.index_select(0, slots).view(b, ctx.kv_len, hkv, d)
         values = v_buf.index_select(0, slots).view(b, ctx.kv_len, hkv, d)
@@ -62,24 +81,41 @@ class PagedAttention(nn.Module):
 
     @staticmethod
     def _step_meta(
-        ctx: StepContext, b: int, t: int, device: torch.device
+        ctx: StepContext, b: int, t: int, device: torch.device, window: int | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat context slots ``[B*L]`` and the mask, built once per step for every layer.
+        """Flat context slots ``[B*L]`` and the mask, built once per step for every layer (one
+        mask per window size).
 
         The mask is boolean ``[B,1,T,L]`` for prefill and an additive fp32 bias ``[B,1,1,L]``
         (0 or -inf) for decode.
         """
-        meta = ctx.scratch.get("paged_attention")
+        key = "paged_attention" if window is None else f"paged_attention_w{window}"
+        meta = ctx.scratch.get(key)
         if meta is None:
             slots = ctx.req_to_token[ctx.req_rows, : ctx.kv_len].reshape(-1).long()
-            cols = torch.arange(ctx.kv_len, device=device)
-            visible = cols.view(1, 1, 1, -1) <= ctx.positions.view(b, 1, t, 1)
+            cols = torch.arange(ctx.kv_len, device=device).view(1, 1, 1, -1)
+            pos = ctx.positions.view(b, 1, t, 1)
+            visible = cols <= pos
+            if window is not None:
+                visible = visible & (cols > pos - window)
             if t == 1:
                 zero = torch.zeros((), dtype=torch.float32, device=device)
                 mask = torch.where(visible, zero, float("-inf"))
             else:
                 mask = visible
-            meta = ctx.scratch["paged_attention"] = (slots, mask)
+            meta = ctx.scratch[key] = (slots, mask)
+        return meta
+
+    @staticmethod
+    def _swa_slots(ctx: StepContext, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's write slots and context slots translated into the sliding-window pool
+        (``full_to_swa``), once per step for every sliding layer."""
+        meta = ctx.scratch.get("paged_attention_swa")
+        if meta is None:
+            table = ctx.kv.swa.full_to_swa
+            loc = table.index_select(0, ctx.out_cache_loc.reshape(-1))
+            meta = (loc.view(ctx.out_cache_loc.shape), table.index_select(0, slots))
+            ctx.scratch["paged_attention_swa"] = meta
         return meta
 
     def _decode(

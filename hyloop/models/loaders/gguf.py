@@ -35,12 +35,17 @@ class _ArchSpec:
     permute_qk: bool
     qkv_bias: bool
     qk_norm: bool
+    # Gemma: four norms per layer, and llama.cpp stores every norm weight as ``1 + w``.
+    gemma_norms: bool = False
 
 
 _ARCHS: dict[str, _ArchSpec] = {
     "llama": _ArchSpec("LlamaForCausalLM", permute_qk=True, qkv_bias=False, qk_norm=False),
     "qwen2": _ArchSpec("Qwen2ForCausalLM", permute_qk=False, qkv_bias=True, qk_norm=False),
     "qwen3": _ArchSpec("Qwen3ForCausalLM", permute_qk=False, qkv_bias=False, qk_norm=True),
+    "gemma3": _ArchSpec(
+        "Gemma3ForCausalLM", permute_qk=False, qkv_bias=False, qk_norm=True, gemma_norms=True
+    ),
 }
 
 _GLOBAL_NAMES = {
@@ -64,6 +69,21 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+# Gemma's layer norms: llama.cpp's ``ffn_norm`` is the pre-feedforward norm there.
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+
+# What llama.cpp assumes for a gemma3 file and does not store (its src/models/gemma3.cpp).
+_GEMMA3_FIXED = {
+    "hidden_activation": "gelu_pytorch_tanh",
+    "rope_local_base_freq": 10000.0,
+    "sliding_window_pattern": 6,
 }
 
 _ROPE_TYPES = ("none", "linear", "yarn")
@@ -184,6 +204,12 @@ def _build_config(meta: dict[str, Any], arch: str, vocab_size: int, tied: bool) 
         config["pad_token_id"] = int(meta["tokenizer.ggml.padding_token_id"])
     if _ARCHS[arch].qkv_bias:
         config["attention_bias"] = True
+    if arch == "gemma3":
+        config |= _GEMMA3_FIXED
+        del config["hidden_act"]
+        config["model_type"] = "gemma3_text"
+        config["query_pre_attn_scalar"] = head_dim
+        config["sliding_window"] = _meta_int(meta, f"{arch}.attention.sliding_window")
     scaling = _rope_scaling(meta, arch)
     if scaling is not None:
         config["rope_scaling"] = scaling
@@ -221,18 +247,22 @@ def _expected_shapes(config: dict[str, Any], spec: _ArchSpec) -> dict[str, tuple
         if spec.qk_norm:
             layer |= {"self_attn.q_norm.weight": (config["head_dim"],)}
             layer |= {"self_attn.k_norm.weight": (config["head_dim"],)}
+        if spec.gemma_norms:
+            layer |= {"pre_feedforward_layernorm.weight": (h,)}
+            layer |= {"post_feedforward_layernorm.weight": (h,)}
         shapes |= {p + name: shape for name, shape in layer.items()}
     if not config["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (config["vocab_size"], h)
     return shapes
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, spec: _ArchSpec) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _GEMMA_LAYER_NAMES if spec.gemma_norms else _LAYER_NAMES
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}"
     return None
 
 
@@ -257,7 +287,7 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
     by_hf_name: dict[str, Any] = {}
     unexpected: list[str] = []
     for tensor in reader.tensors:
-        hf_name = _hf_name(tensor.name)
+        hf_name = _hf_name(tensor.name, spec)
         if hf_name is None:
             unexpected.append(tensor.name)
         else:
@@ -300,6 +330,8 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
             weight = _unpermute_rope_rows(weight, config["num_attention_heads"])
         elif spec.permute_qk and name.endswith("self_attn.k_proj.weight"):
             weight = _unpermute_rope_rows(weight, config["num_key_value_heads"])
+        elif spec.gemma_norms and name.endswith("norm.weight"):
+            weight = weight - 1.0  # llama.cpp stored 1 + w; hyloop's norm scales by 1 + w
         state_dict[name] = weight.contiguous()
 
     tokenizer = build_gguf_tokenizer(meta) if has_tokenizer(meta) else None

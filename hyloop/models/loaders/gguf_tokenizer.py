@@ -5,6 +5,10 @@ special token ids under llama.cpp's key names (`tokenizer.ggml.*`). For byte-lev
 (`tokenizer.ggml.model == "gpt2"`) that is enough to rebuild the tokenizer exactly; the one fact a
 GGUF spells only by name is how text is split before BPE (`tokenizer.ggml.pre`), so the split rules
 llama.cpp uses for each name are written out here.
+
+Gemma files hold a SentencePiece-style BPE vocabulary (`tokenizer.ggml.model == "llama"`) with
+byte-fallback pieces (`<0x41>`) and no merges; the merges are implied by the vocabulary, ranked by
+the order the pieces appear in the file (Gemma's scores do not follow the merge order).
 """
 
 from __future__ import annotations
@@ -13,7 +17,16 @@ from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 
 _PREFIX = "tokenizer.ggml."
 
@@ -166,15 +179,85 @@ def _set_bos_eos_template(tokenizer: Tokenizer, meta: Mapping[str, Any], tokens:
     )
 
 
-def build_gguf_tokenizer(meta: Mapping[str, Any]) -> Tokenizer:
-    """The tokenizer a GGUF's metadata describes; only byte-level BPE ("gpt2") is supported."""
-    model = meta.get(_PREFIX + "model")
-    if model != "gpt2":
-        raise ValueError(
-            f"GGUF tokenizer.ggml.model is {model!r}; hyloop builds tokenizers for ['gpt2'] "
-            "(byte-level BPE)"
+_SPM_SPACE = "\u2581"
+_GEMMA_ARCHS = ("gemma", "gemma2", "gemma3")
+
+
+def _implied_merges(tokens: list[str]) -> list[tuple[str, str]]:
+    """Every split of a piece into two pieces of the vocabulary, ranked by the merged piece's
+    position in the file (earlier first), then by the lengths of its halves."""
+    rank = {token: index for index, token in enumerate(tokens)}
+    found: list[tuple[int, int, int, str, str]] = []
+    for index, token in enumerate(tokens):
+        local = []
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in rank and right in rank:
+                local.append((rank[left], rank[right], left, right))
+        local.sort()
+        found.extend((index, len(left), len(right), left, right) for _, _, left, right in local)
+    found.sort(key=lambda m: (m[0], m[1], m[2]))
+    return [(left, right) for _, _, _, left, right in found]
+
+
+def _build_gemma_bpe(meta: Mapping[str, Any]) -> Tokenizer:
+    # A piece of two or more spaces is stored with real spaces; the normalizer spells them "▁".
+    tokens = [
+        _SPM_SPACE * len(t) if " " in t and not t.strip() else t
+        for t in _require(meta, _PREFIX + "tokens")
+    ]
+    token_types: list[int] = list(meta.get(_PREFIX + "token_type") or [])
+    vocab = {token: index for index, token in enumerate(tokens)}
+    unk_id = meta.get(_PREFIX + "unknown_token_id")
+    tokenizer = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=_implied_merges(tokens),
+            unk_token=None if unk_id is None else tokens[int(unk_id)],
+            fuse_unk=True,
+            byte_fallback=True,
         )
-    return _build_byte_level_bpe(meta)
+    )
+    steps = [normalizers.Replace(" ", _SPM_SPACE)]
+    if meta.get(_PREFIX + "add_space_prefix", False):
+        steps.insert(0, normalizers.Prepend(_SPM_SPACE))
+    tokenizer.normalizer = normalizers.Sequence(steps)
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    control = [
+        AddedToken(token, normalized=False, special=True)
+        for token, kind in zip(tokens, token_types, strict=False)
+        if kind == _TOKEN_TYPE_CONTROL
+    ]
+    user_defined = [
+        AddedToken(token, normalized=False, special=False)
+        for token, kind in zip(tokens, token_types, strict=False)
+        if kind == _TOKEN_TYPE_USER_DEFINED
+    ]
+    if control:
+        tokenizer.add_special_tokens(control)
+    if user_defined:
+        tokenizer.add_tokens(user_defined)
+    _set_bos_eos_template(tokenizer, meta, tokens)
+    return tokenizer
+
+
+def build_gguf_tokenizer(meta: Mapping[str, Any]) -> Tokenizer:
+    """The tokenizer a GGUF's metadata describes: byte-level BPE ("gpt2") for any architecture,
+    SentencePiece-style BPE ("llama") for the Gemma family."""
+    model = meta.get(_PREFIX + "model")
+    arch = meta.get("general.architecture")
+    if model == "gpt2":
+        return _build_byte_level_bpe(meta)
+    if model == "llama" and arch in _GEMMA_ARCHS:
+        return _build_gemma_bpe(meta)
+    raise ValueError(
+        f"GGUF tokenizer.ggml.model is {model!r} (general.architecture {arch!r}); hyloop builds "
+        f"tokenizers for ['gpt2'] (byte-level BPE), and for 'llama' (SentencePiece BPE) only "
+        f"with architectures {list(_GEMMA_ARCHS)}"
+    )
 
 
 def has_tokenizer(meta: Mapping[str, Any]) -> bool:

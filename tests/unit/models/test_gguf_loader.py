@@ -269,7 +269,9 @@ def test_unknown_rope_scaling_is_named(tiny_llama: Any, tmp_path: Path) -> None:
 
 def test_unknown_architecture_is_named(tiny_llama: Any, tmp_path: Path) -> None:
     path = _write_gguf(tmp_path / "m.gguf", "mamba", *tiny_llama)
-    with pytest.raises(ValueError, match=r"general.architecture 'mamba'.*\['llama', 'qwen2'"):
+    with pytest.raises(
+        ValueError, match=r"general.architecture 'mamba'.*\['gemma3', 'llama', 'qwen2'"
+    ):
         load_gguf(path)
 
 

@@ -1,0 +1,262 @@
+"""Gemma 3 (text): local sliding-window layers interleaved with global full-attention layers.
+
+Differences from the Llama family: embeddings scaled by ``sqrt(hidden)``, zero-centred RMSNorm
+``(1 + w)``, per-head q/k RMSNorm, four norms per layer (input, post-attention, pre- and
+post-feedforward), a GELU-tanh gated MLP, the attention scale ``query_pre_attn_scalar ** -0.5``,
+and per-layer ``layer_types``: sliding layers attend to the last ``sliding_window`` tokens and
+rotate with their own base (``rope_local_base_freq``), global layers use ``rope_theta`` and its
+scaling.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hyloop.graphs.context import StepContext
+from hyloop.models.arch.base import DecoderLM
+from hyloop.models.layers.attention import PagedAttention
+from hyloop.models.layers.norm import RMSNorm
+from hyloop.models.layers.rope import RopeSpec, RotaryEmbedding
+from hyloop.models.registry import register, text_config
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+DEFAULT_SLIDING_PATTERN = 6  # every sixth layer is global when a config lists no layer_types
+DEFAULT_LOCAL_THETA = 10_000.0
+DEFAULT_GLOBAL_THETA = 1_000_000.0
+
+
+def _layer_types(cfg: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+    types = cfg.get("layer_types")
+    if types is None:
+        pattern = int(cfg.get("sliding_window_pattern") or DEFAULT_SLIDING_PATTERN)
+        types = [SLIDING if (i + 1) % pattern else FULL for i in range(num_layers)]
+    if len(types) != num_layers or any(t not in (SLIDING, FULL) for t in types):
+        raise ValueError(
+            f"layer_types {types!r}: expected {num_layers} entries of {SLIDING!r} or {FULL!r}"
+        )
+    return tuple(types)
+
+
+def _rope_specs(cfg: dict[str, Any], head_dim: int) -> tuple[RopeSpec, RopeSpec]:
+    """(sliding, full) RoPE specs from either spelling: per-layer-type ``rope_parameters``
+    (transformers 5) or ``rope_theta`` / ``rope_scaling`` / ``rope_local_base_freq`` (4)."""
+    params = cfg.get("rope_parameters") or {}
+    if SLIDING in params or FULL in params:
+        full = dict(params.get(FULL) or {})
+        local = dict(params.get(SLIDING) or {})
+    else:
+        full = {**(cfg.get("rope_scaling") or {}), **params}
+        local = {}
+    full.setdefault("rope_theta", cfg.get("rope_theta", DEFAULT_GLOBAL_THETA))
+    local.setdefault("rope_theta", cfg.get("rope_local_base_freq", DEFAULT_LOCAL_THETA))
+    full_spec = RopeSpec.from_hf({"rope_parameters": full}, head_dim)
+    local_spec = RopeSpec.from_hf({"rope_parameters": local}, head_dim)
+    return local_spec, full_spec
+
+
+@dataclass(frozen=True)
+class Gemma3Spec:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    attn_scale: float
+    sliding_window: int
+    layer_types: tuple[str, ...]
+    rope_local: RopeSpec
+    rope_global: RopeSpec
+    max_positions: int
+    tie_word_embeddings: bool
+    final_logit_softcapping: float | None
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> Gemma3Spec:
+        cfg = text_config(hf)
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+        if act != "gelu_pytorch_tanh":
+            raise ValueError(
+                f"hidden_activation {act!r} is not supported; expected 'gelu_pytorch_tanh'"
+            )
+        if cfg.get("attn_logit_softcapping"):
+            raise ValueError(
+                f"attn_logit_softcapping={cfg['attn_logit_softcapping']} is not supported "
+                "(Gemma 3 checkpoints have none)"
+            )
+        if cfg.get("use_bidirectional_attention"):
+            raise ValueError("use_bidirectional_attention=True is not supported (causal LM only)")
+        if cfg.get("attention_bias"):
+            raise ValueError("attention_bias=True is not supported (Gemma 3 has no q/k/v bias)")
+        heads = int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+        num_layers = int(cfg["num_hidden_layers"])
+        rope_local, rope_global = _rope_specs(cfg, head_dim)
+        window = int(cfg.get("sliding_window") or 0)
+        if window < 1:
+            raise ValueError(f"sliding_window={cfg.get('sliding_window')!r}: expected >= 1")
+        softcap = cfg.get("final_logit_softcapping")
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=num_layers,
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            attn_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5,
+            sliding_window=window,
+            layer_types=_layer_types(cfg, num_layers),
+            rope_local=rope_local,
+            rope_global=rope_global,
+            max_positions=int(cfg.get("max_position_embeddings", 32768)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+            final_logit_softcapping=float(softcap) if softcap else None,
+        )
+
+
+class Gemma3MLP(nn.Module):
+    """``down(gelu_tanh(gate(x)) * up(x))`` with gate and up fused into one GEMM."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(
+        self, spec: Gemma3Spec, layer_id: int, rotary: RotaryEmbedding, window: int | None
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_dim,
+        )
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.qkv_proj.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, zero_centered=True)
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, zero_centered=True)
+        self.rotary = rotary
+        self.attn = PagedAttention(
+            layer_id,
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_dim,
+            spec.attn_scale,
+            sliding_window=window,
+        )
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.view(b, t, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(b, t, self.num_kv_heads, self.head_dim))
+        v = v.view(b, t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(q, k, ctx.positions, ctx.scratch)
+        return self.o_proj(self.attn(q, k, v, ctx))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(
+        self, spec: Gemma3Spec, layer_id: int, rotary: RotaryEmbedding, window: int | None
+    ) -> None:
+        super().__init__()
+        h, eps = spec.hidden_size, spec.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps, zero_centered=True)
+        self.self_attn = Gemma3Attention(spec, layer_id, rotary, window)
+        self.post_attention_layernorm = RMSNorm(h, eps, zero_centered=True)
+        self.pre_feedforward_layernorm = RMSNorm(h, eps, zero_centered=True)
+        self.mlp = Gemma3MLP(h, spec.intermediate_size)
+        self.post_feedforward_layernorm = RMSNorm(h, eps, zero_centered=True)
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), ctx))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3Body(nn.Module):
+    def __init__(self, spec: Gemma3Spec) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        local = RotaryEmbedding(spec.rope_local, spec.max_positions)
+        glob = RotaryEmbedding(spec.rope_global, spec.max_positions)
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(spec, i, local, spec.sliding_window)
+            if kind == SLIDING
+            else Gemma3DecoderLayer(spec, i, glob, None)
+            for i, kind in enumerate(spec.layer_types)
+        )
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, zero_centered=True)
+
+
+@register("Gemma3ForCausalLM", model_types=("gemma3_text",))
+class Gemma3CausalLM(DecoderLM):
+    """``forward(ctx) -> hidden [B, T, H]``; ``compute_logits(hidden [N, H]) -> fp32 [N, V]``.
+
+    ``sliding_layers`` lists the layer ids whose attention is windowed (``sliding_window``).
+    """
+
+    def __init__(self, hf_config: dict[str, Any]) -> None:
+        super().__init__()
+        self.spec = Gemma3Spec.from_hf(hf_config)
+        self.model = Gemma3Body(self.spec)
+        self.lm_head = nn.Linear(self.spec.hidden_size, self.spec.vocab_size, bias=False)
+        self.tie_weights()
+        self.num_kv_layers = self.spec.num_layers
+        self.kv_heads = self.spec.num_kv_heads
+        self.head_dim = self.spec.head_dim
+        self.sliding_window = self.spec.sliding_window
+        self.sliding_layers = tuple(
+            i for i, kind in enumerate(self.spec.layer_types) if kind == SLIDING
+        )
+        self.embed_scale = math.sqrt(self.spec.hidden_size)
+
+    def place_kv_layers(self, swa_pool: bool) -> tuple[int, int]:
+        """Assign each attention layer its buffers: with ``swa_pool`` the sliding layers live in
+        the sliding-window pool and the full pool holds only the global layers. Returns the
+        layer counts of (full pool, sliding-window pool)."""
+        full = swa = 0
+        for layer in self.model.layers:
+            attn = layer.self_attn.attn
+            attn.in_swa_pool = swa_pool and attn.sliding_window is not None
+            if attn.in_swa_pool:
+                attn.pool_layer, swa = swa, swa + 1
+            else:
+                attn.pool_layer, full = full, full + 1
+        self.num_kv_layers = full
+        return full, swa
+
+    def forward(self, ctx: StepContext) -> torch.Tensor:
+        x = self.model.embed_tokens(ctx.input_ids)
+        # NOTE: HF rounds the scale to the weight dtype before multiplying.
+        x = x * x.new_full((), self.embed_scale)
+        for layer in self.model.layers:
+            x = layer(x, ctx)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(self.model.norm(hidden)).float()
+        cap = self.spec.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
