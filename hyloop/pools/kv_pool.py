@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from hyloop.pools.page_allocator import PageAllocator
 from hyloop.pools.step_fence import StepFence
-from hyloop.pools.swa_pool import SWAKVPool
+
+if TYPE_CHECKING:
+    from hyloop.pools.swa_pool import SWAKVPool
 
 
 class KVPool:

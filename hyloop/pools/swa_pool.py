@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import torch
 
-from hyloop.pools.page_allocator import PageAllocator
+from hyloop.pools.kv_pool import KVPool
 from hyloop.pools.step_fence import StepFence
 
 
-class SWAKVPool:
-    """Per sliding layer K/V buffers of ``[num_slots, kv_heads, head_dim]``, their page
-    allocator, and ``full_to_swa [full_slots]`` (int64; 0, the padding sink, until mapped)."""
+class SWAKVPool(KVPool):
+    """A ``KVPool`` for the sliding-window layers (``window`` tokens a query sees, itself
+    included) plus ``full_to_swa [full_slots]`` (int64; 0, the padding sink, until mapped)."""
 
     def __init__(
         self,
@@ -36,19 +36,11 @@ class SWAKVPool:
         device: torch.device | str,
         fence: StepFence | None = None,
     ) -> None:
-        self.allocator = PageAllocator(num_pages, page_size, device, fence)
-        self.page_size = page_size
-        self.window = window  # tokens a query sees on these layers (itself included)
-        self.num_slots = num_pages * page_size
-        shape = (self.num_slots, kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        super().__init__(num_layers, num_pages, page_size, kv_heads, head_dim, dtype, device, fence)
+        self.window = window
         self.full_to_swa = torch.zeros(full_slots, dtype=torch.int64, device=device)
 
     def map(self, full_slots: torch.Tensor, swa_slots: torch.Tensor) -> None:
         """Point ``full_slots`` at ``swa_slots`` (host index tensors of equal length)."""
         device = self.full_to_swa.device
         self.full_to_swa[full_slots.to(device, torch.int64)] = swa_slots.to(device, torch.int64)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
