@@ -64,9 +64,8 @@ class PagedAttention(nn.Module):
             loc = ctx.out_cache_loc
         write_kv(k_buf, v_buf, loc, k, v)
 
-        # index_select on the flat slot list is ~5x faster than advanced indexing on CPU.
-        keys = k_buf.index_select(0, slots).view(b, ctx.kv_len, hkv, d)
-        values = v_buf.index_select(0, slots).view(b, ctx.kv_len, hkv, d)
+        keys, values = self._gather(ctx, k_buf, v_buf, slots)
+        keys, values = keys.view(b, ctx.kv_len, hkv, d), values.view(b, ctx.kv_len, hkv, d)
         if t == 1:
             return self._decode(q, keys, values, mask)
         out = F.scaled_dot_product_attention(
@@ -107,6 +106,27 @@ class PagedAttention(nn.Module):
         return meta
 
     @staticmethod
+    def _gather(
+        ctx: StepContext, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The context's K and V rows ``[B*L, Hkv, D]``, in the pool's layout.
+
+        index_select on the flat slot list is ~5x faster than advanced indexing on CPU. Eager
+        steps gather every layer into the same two step-scratch buffers: a fresh multi-MB
+        tensor per layer costs more in page faults than the copy itself.
+        """
+        if torch.compiler.is_compiling():
+            return k_buf.index_select(0, slots), v_buf.index_select(0, slots)
+        key = f"paged_attention_gather_{k_buf.dtype}_{tuple(k_buf.shape[1:])}"
+        bufs = ctx.scratch.get(key)
+        if bufs is None:
+            shape = (slots.numel(), *k_buf.shape[1:])
+            bufs = ctx.scratch[key] = (k_buf.new_empty(shape), v_buf.new_empty(shape))
+        torch.index_select(k_buf, 0, slots, out=bufs[0])
+        torch.index_select(v_buf, 0, slots, out=bufs[1])
+        return bufs
+
+    @staticmethod
     def _swa_slots(ctx: StepContext, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's write slots and context slots translated into the sliding-window pool
         (``full_to_swa``), once per step for every sliding layer."""
@@ -136,6 +156,8 @@ class PagedAttention(nn.Module):
             probs = torch.softmax(scores + bias.view(b, length, 1, 1), dim=1)  # [B,L,Hkv,G]
             out = (probs.unsqueeze(-1) * values.view(b, length, hkv, 1, d).to(f32)).sum(1)
             return out.to(q.dtype).reshape(b, 1, self.num_heads * d)
+        if keys.device.type == "cpu":
+            return self._decode_per_kv_head(q, keys, values, bias)
         k32 = keys.transpose(1, 2).to(f32, memory_format=torch.contiguous_format)  # [B,Hkv,L,D]
         v32 = values.transpose(1, 2).to(f32, memory_format=torch.contiguous_format)
         q32 = q.reshape(b, hkv, group, d).to(f32)  # query head h reads kv head h // group
@@ -143,3 +165,24 @@ class PagedAttention(nn.Module):
         probs = torch.softmax(scores, dim=-1)  # [B,Hkv,G,L]
         out = torch.matmul(probs, v32).to(q.dtype)  # [B,Hkv,G,D]
         return out.reshape(b, 1, self.num_heads * d)
+
+    def _decode_per_kv_head(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor
+    ) -> torch.Tensor:
+        """Eager CPU decode: one batched matmul pair per kv head, on ``[B,L,D]`` views of the
+        gathered rows (a strided operand BLAS reads in place), so K and V are never copied into
+        head-major order. That copy was a third of an eager SmolLM2 step at batch 16."""
+        b, length = keys.shape[:2]
+        hkv, d = self.num_kv_heads, self.head_dim
+        group = self.num_heads // hkv
+        f32 = torch.float32
+        keys, values = keys.to(f32), values.to(f32)
+        q32 = q.reshape(b, hkv, group, d).to(f32)
+        # bmm reads each head's [B,L,D] view in place; baddbmm / out= into a strided slice
+        # fall back to one small GEMM per row (measured 1.8x slower).
+        scores = torch.stack(
+            [torch.bmm(q32[:, h], keys[:, :, h].transpose(1, 2)) for h in range(hkv)], 1
+        )
+        probs = torch.softmax(scores.mul_(self.scale).add_(bias.view(b, 1, 1, length)), dim=-1)
+        out = torch.stack([torch.bmm(probs[:, h], values[:, :, h]) for h in range(hkv)], 1)
+        return out.to(q.dtype).reshape(b, 1, self.num_heads * d)
