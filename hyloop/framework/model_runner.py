@@ -49,6 +49,7 @@ class PreparedStep:
     sampling: SamplingTensors
     inputs: StepInputs | None = None  # a captured decode step
     context: StepContext | None = None  # an eager step (prefill, or the eager backend)
+    greedy_only: bool = False  # every row is greedy (an uncaptured decode step skips noise)
 
     def bind_input_ids(self, ids: torch.Tensor, row_shape: tuple[int, ...]) -> None:
         """Set the input ids (``[B]`` or ``[B, C]``, on device) of a decode step."""
@@ -156,9 +157,11 @@ class ModelRunner:
             ctx, sampling = self.inputs.prefill(batch)
             return PreparedStep(batch, sampling, context=ctx)
         inputs = self.inputs.decode(batch)
-        if self.graph_runner is not None:
-            return PreparedStep(batch, SamplingTensors.of(inputs), inputs=inputs)
         greedy = self.inputs.greedy_only(batch)
+        if self.graph_runner is not None:
+            return PreparedStep(
+                batch, SamplingTensors.of(inputs), inputs=inputs, greedy_only=greedy
+            )
         sampling = SamplingTensors.of(inputs, greedy_only=greedy)
         return PreparedStep(batch, sampling, context=self.inputs.context(inputs))
 
@@ -193,6 +196,16 @@ class ModelRunner:
     ) -> StepOutput:
         if prepared.inputs is not None:
             assert self.graph_runner is not None
+            if self.graph_runner.replays_eagerly(prepared.inputs):
+                # ``auto`` left this key uncaptured: the plain eager step, whose sampling may
+                # take the all-greedy fast path a captured step cannot.
+                self.graph_runner.count_uncaptured()
+                inputs = prepared.inputs
+                sampling = SamplingTensors.of(inputs, greedy_only=prepared.greedy_only)
+                ctx = self.inputs.context(inputs)
+                if on_staged is not None:
+                    on_staged()
+                return self.step(ctx, sampling, keep_logits)
             drop = () if keep_logits else ("logits",)
             out: StepOutput = self.graph_runner.run(prepared.inputs, on_staged, drop)
             if not keep_logits:

@@ -147,6 +147,23 @@ class BucketRunner:
     def has_artifact(self, key: ArtifactKey) -> bool:
         return key in self._artifacts
 
+    def replays_eagerly(self, inputs: StepInputs) -> bool:
+        """A non-lazy runner that holds no artifact for ``inputs`` (one bucket, no split): its
+        step would run ``step_fn`` uncaptured. The caller may run its own eager step instead,
+        free of the captured step's constraints (e.g. sampling's all-greedy fast path), and
+        report it with ``count_uncaptured``."""
+        if self.lazy or self.backend == "eager" or inputs.batch_size > self.max_bs:
+            return False
+        kv_bucket = self._kv_bucket(inputs.kv_len)
+        if kv_bucket is None:
+            return False
+        bucket = pick_bucket(self.buckets, inputs.batch_size)
+        assert bucket is not None
+        return ArtifactKey(bucket, kv_bucket, *inputs.mode) not in self._artifacts
+
+    def count_uncaptured(self) -> None:
+        self._counts["uncaptured_steps"] += 1
+
     def _kv_bucket(self, kv_len: int) -> int | None:
         return pick_bucket(self.kv_len_buckets, kv_len)
 
