@@ -13,7 +13,7 @@ chunk: from ``add_request`` to the first chunk of a probe request (``initial_chu
 5), alone and while 16 other requests stream.
 
     python bench/tts_frames.py --json PATH [--quick] [--batches 1,8,32] [--frames 48] [--repeats 3]
-        [--device cuda --backend cuda_graph]
+        [--device cuda --backend cuda_graph] [--dtype bfloat16] [--kv-len-bucket 128]
 """
 
 from __future__ import annotations
@@ -134,6 +134,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 "kv_pool.page_size=16",
                 "model.max_context=1024",
                 "lookahead.enable=false",
+                f"dtype={args.dtype}",
+                f"graphs.kv_len_bucket={args.kv_len_bucket}",
             ]
             engines[backend] = stack.enter_context(TTSEngine(ckpt, overrides=overrides))
         for batch in args.batches:
@@ -164,7 +166,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         c = next(r for r in rows if r.get("batch") == b and r["backend"] == captured)
         ratio[b] = c["fps"] / e["fps"]
     where = gpu or cpu
-    print(f"\nTTS frames on {where}: eager vs {captured}")
+    print(f"\nTTS frames on {where}: eager vs {captured} ({args.dtype}, "
+          f"kv_len bucket {args.kv_len_bucket})")  # fmt: skip
     print(f"    batch  eager fps {captured + ' fps':>12}  ratio  rtf eager {'rtf ' + captured:>12}")
     for b in args.batches:
         e = next(r for r in rows if r.get("batch") == b and r["backend"] == "eager")
@@ -172,6 +175,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         print(f"{b:>9} {e['fps']:>10.1f} {c['fps']:>12.1f} {ratio[b]:>6.2f} "
               f"{e['rtf']:>10.3f} {c['rtf']:>12.3f}")  # fmt: skip
     return {"cpu": cpu, "gpu": gpu, "device": args.device, "backend": captured,
+            "dtype": args.dtype, "kv_len_bucket": args.kv_len_bucket,
             "threads": torch.get_num_threads(), "frames": args.frames, "rows": rows,
             "captured_over_eager": ratio}  # fmt: skip
 
@@ -190,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="timed waves per backend and batch")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--backend", help="the captured backend (default: compile, cuda_graph on CUDA)")
+    p.add_argument("--dtype", default="float32", help="float32 or bfloat16 (weights and compute)")
+    p.add_argument("--kv-len-bucket", type=int, default=256, help="graphs.kv_len_bucket")
     args = p.parse_args(argv)
     args.backend = args.backend or ("cuda_graph" if args.device.startswith("cuda") else "compile")
     args.batches = parse_batches(p, args.batches)

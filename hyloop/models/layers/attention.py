@@ -112,10 +112,11 @@ class PagedAttention(nn.Module):
         """The context's K and V rows ``[B*L, Hkv, D]``, in the pool's layout.
 
         index_select on the flat slot list is ~5x faster than advanced indexing on CPU. Eager
-        steps gather every layer into the same two step-scratch buffers: a fresh multi-MB
-        tensor per layer costs more in page faults than the copy itself.
+        CPU steps gather every layer into the same two step-scratch buffers: a fresh multi-MB
+        tensor per layer costs more in page faults than the copy itself (CUDA's caching
+        allocator has no such cost).
         """
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or k_buf.device.type != "cpu":
             return k_buf.index_select(0, slots), v_buf.index_select(0, slots)
         key = f"paged_attention_gather_{k_buf.dtype}_{tuple(k_buf.shape[1:])}"
         bufs = ctx.scratch.get(key)
