@@ -9,8 +9,11 @@ request therefore holds at most ``window + page_size`` tokens during decode and
 ``tree_from`` are the tree's (a prefix hit, or pages an insert took); the request reads them
 under its lock.
 
-Admission reserves a request's worst case (``pages_per_request``) and keeps that many pages free
-for the admitted requests, so a step never fails to allocate.
+Admission reserves a request's worst case and keeps that many pages free for the admitted
+requests, so a step never fails to allocate. The worst case while prefilling spans the window
+plus one prefill chunk (no longer than what the request has to compute); once the request decodes
+it spans the window plus one position, and its reservation shrinks to that, so a long prompt's
+chunk does not cost the pool for the request's whole life.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class SWAWindows:
         self.allocator = pool.allocator
         self.page_size = pool.page_size
         self.window = window
+        self.prefill_chunk = prefill_chunk
         self.pages_per_request = self.worst_case_pages(window, prefill_chunk, pool.page_size)
         self._held: dict[str, _Window] = {}
 
@@ -47,9 +51,13 @@ class SWAWindows:
         read while its successor allocates."""
         return -(-(window + prefill_chunk) // page_size) + 3
 
-    def request_pages(self, req: Request) -> int:
+    def request_pages(self, req: Request, decoding: bool = False) -> int:
+        """Most pages ``req`` can hold from now on: while prefilling, its window plus a chunk no
+        longer than the tokens it has left to compute; while decoding, its window plus one."""
+        chunk = 1 if decoding else min(self.prefill_chunk, max(1, req.total_len))
         positions = len(req.prompt_ids) + req.max_new
-        return min(self.pages_per_request, -(-positions // self.page_size) + 1)
+        worst = self.worst_case_pages(self.window, chunk, self.page_size)
+        return min(worst, -(-positions // self.page_size) + 1)
 
     def shortfall(self, req: Request) -> int:
         """Pages to free (evict from the tree) before ``req`` can be admitted; <= 0: none."""
@@ -87,6 +95,10 @@ class SWAWindows:
             dropped.append(pages.popleft()[1])
         if dropped:
             self.allocator.free(torch.cat(dropped))
+        if end - start == 1 and start >= req.total_len - 1:
+            # Decoding (a single position at the end; under lookahead ``total_len`` lags by
+            # one): the chunk reserved for prefill is not needed again in this admission.
+            w.reserved = min(w.reserved, max(len(pages), self.request_pages(req, decoding=True)))
         next_page = pages[-1][0] + 1 if pages else max(first_needed, w.tree_from)
         last_page = (end - 1) // ps
         if last_page < next_page:

@@ -83,3 +83,36 @@ def test_sliding_kv_stays_within_the_window(
         full = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert llm.engine.swa_windows is None
     assert pooled == full
+
+
+def test_reservations_follow_the_requests_own_chunk_and_shrink_when_decoding(ckpt: Path) -> None:
+    """A window pool of 83 usable pages (page_size 1, window 16, prefill_chunk 32): a full-chunk
+    reservation (16 + 32 + 3 = 51) would run these requests one at a time. A 4-token prompt
+    reserves 16 + 4 + 3 = 23 pages while it prefills, so three start together; decoding, each
+    needs 16 + 1 + 3 = 20, which leaves room for the fourth while they run. Tokens equal the
+    full pool's, and both pools' ledgers balance after every step."""
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 256, (4,), generator=g).tolist() for _ in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    tight = [*overrides(1, True, False), "kv_pool.swa_num_pages=84", "cache.enable=false"]
+    with LLM(model=ckpt, overrides=tight) as llm:
+        engine = llm.engine
+        windows = engine.swa_windows
+        assert windows is not None and windows.allocator.num_pages == 84
+        assert windows.pages_per_request == 51  # the full-chunk worst case: 1 at a time
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params)
+        reqs = [engine.request(str(i)) for i in range(len(prompts))]
+        running = []
+        while engine.has_unfinished_requests():
+            engine.step()
+            running.append(len(engine.scheduler.running))
+            reserved = [w.reserved for w in windows._held.values()]
+            assert sum(reserved) <= 83, reserved
+            engine.check_invariants()
+        pooled = [r.output_ids for r in reqs]
+    assert running[0] == 3  # three prefill reservations of 23 fit, a fourth does not
+    assert max(running) == 4  # decoding reservations of 20 made room for the fourth
+    with LLM(model=ckpt, overrides=overrides(1, False, False)) as llm:
+        full = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert pooled == full
