@@ -15,8 +15,10 @@ class PagedAttention(nn.Module):
 
     Keys of row ``b`` are the first ``ctx.kv_len`` columns of its req->token row; key column
     ``j`` (= absolute position ``j``) is visible to a query at position ``p`` iff ``j <= p``
-    and, on a sliding-window layer, ``j > p - sliding_window`` (the window is a mask over the
-    same columns, so the step's shapes do not depend on it).
+    and, on a sliding-window layer, ``j > p - sliding_window`` (a mask over the same columns
+    in prefill; a decode step whose ``kv_len`` exceeds the window reads only the window's
+    columns of each row, a static ``[B, window]`` gather, so its cost stops growing with the
+    context).
     NOTE: padded rows point at the padding request row (all slot 0) with position 0, so they
     see exactly one key (the sink) and never produce NaN.
 
@@ -58,14 +60,15 @@ class PagedAttention(nn.Module):
         if self.in_swa_pool:
             swa = ctx.kv.swa
             k_buf, v_buf = swa.k[self.pool_layer], swa.v[self.pool_layer]
-            loc, slots = self._swa_slots(ctx, slots)
+            loc, slots = self._swa_slots(ctx, slots, self.sliding_window)
         else:
             k_buf, v_buf = ctx.kv.k[self.pool_layer], ctx.kv.v[self.pool_layer]
             loc = ctx.out_cache_loc
         write_kv(k_buf, v_buf, loc, k, v)
 
         keys, values = self._gather(ctx, k_buf, v_buf, slots)
-        keys, values = keys.view(b, ctx.kv_len, hkv, d), values.view(b, ctx.kv_len, hkv, d)
+        length = slots.numel() // b  # kv_len, or the window on a sliding layer's decode
+        keys, values = keys.view(b, length, hkv, d), values.view(b, length, hkv, d)
         if t == 1:
             return self._decode(q, keys, values, mask)
         out = F.scaled_dot_product_attention(
@@ -90,6 +93,16 @@ class PagedAttention(nn.Module):
         """
         key = "paged_attention" if window is None else f"paged_attention_w{window}"
         meta = ctx.scratch.get(key)
+        if meta is None and window is not None and t == 1 and ctx.kv_len > window:
+            # Decode on a sliding layer reads only its window, columns (p - window, p] of each
+            # row (static shape [B, window]; columns before 0 are masked and read slot 0).
+            offsets = torch.arange(window, device=device).view(1, -1)
+            cols = ctx.positions.view(b, 1).long() - (window - 1) + offsets
+            rows = ctx.req_rows.view(b, 1).long()
+            slots = ctx.req_to_token[rows, cols.clamp(min=0)].reshape(-1).long()
+            zero = torch.zeros((), dtype=torch.float32, device=device)
+            mask = torch.where(cols >= 0, zero, float("-inf")).view(b, 1, 1, window)
+            meta = ctx.scratch[key] = (slots, mask)
         if meta is None:
             slots = ctx.req_to_token[ctx.req_rows, : ctx.kv_len].reshape(-1).long()
             cols = torch.arange(ctx.kv_len, device=device).view(1, 1, 1, -1)
@@ -118,7 +131,7 @@ class PagedAttention(nn.Module):
         """
         if torch.compiler.is_compiling() or k_buf.device.type != "cpu":
             return k_buf.index_select(0, slots), v_buf.index_select(0, slots)
-        key = f"paged_attention_gather_{k_buf.dtype}_{tuple(k_buf.shape[1:])}"
+        key = f"paged_attention_gather_{k_buf.dtype}_{slots.numel()}_{tuple(k_buf.shape[1:])}"
         bufs = ctx.scratch.get(key)
         if bufs is None:
             shape = (slots.numel(), *k_buf.shape[1:])
@@ -128,15 +141,18 @@ class PagedAttention(nn.Module):
         return bufs
 
     @staticmethod
-    def _swa_slots(ctx: StepContext, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _swa_slots(
+        ctx: StepContext, slots: torch.Tensor, window: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's write slots and context slots translated into the sliding-window pool
-        (``full_to_swa``), once per step for every sliding layer."""
-        meta = ctx.scratch.get("paged_attention_swa")
+        (``full_to_swa``), once per step for every sliding layer of that window."""
+        key = f"paged_attention_swa_w{window}"
+        meta = ctx.scratch.get(key)
         if meta is None:
             table = ctx.kv.swa.full_to_swa
             loc = table.index_select(0, ctx.out_cache_loc.reshape(-1))
             meta = (loc.view(ctx.out_cache_loc.shape), table.index_select(0, slots))
-            ctx.scratch["paged_attention_swa"] = meta
+            ctx.scratch[key] = meta
         return meta
 
     def _decode(
