@@ -21,6 +21,7 @@ from hyloop.graphs.auto_plan import Estimates
 from hyloop.graphs.buckets import ArtifactKey
 from hyloop.graphs.history import StepHistory, history_key
 from hyloop.models.kv_shift import shifter_for
+from hyloop.models.layers import cpu_ops
 from hyloop.models.layers.kernel_choice import cache_dir, calibrate, machine_key, shape_key
 from hyloop.models.layers.packed_linear import PackedLinear, pack_linears, packing_available
 from hyloop.models.loader import LoadedModel, load_model
@@ -87,6 +88,8 @@ def build_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         packed = pack_linears(model)
         if cfg.model.cpu_kernels == "measure":
             kernels = choose_kernels(cfg, model)
+    if device.type == "cpu" and cfg.model.cpu_ops and cpu_ops.ensure_loaded():
+        cpu_ops.use_native(model)
     spec = model.spec
     swa_layers = 0
     if getattr(model, "sliding_layers", ()):
@@ -283,6 +286,7 @@ def step_history(cfg: EngineConfig, kind: str) -> StepHistory:
         sorted(g.compile_options.items()),
         cfg.model.cpu_packed_linear,
         cfg.model.cpu_kernels,
+        cfg.model.cpu_ops and cpu_ops.available(),
     )
     return StepHistory(cache_dir() / "steps" / f"{key}.json")
 

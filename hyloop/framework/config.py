@@ -45,6 +45,12 @@ class ModelSection(_Section):
         description="CPU GEMM per Linear shape and row count: the fastest measured on this "
         "machine (kept under $HYLOOP_CACHE_DIR), or always the packed oneDNN call",
     )
+    cpu_ops: bool = Field(
+        True,
+        description="CPU: hyloop's C++ kernels (decode attention over the paged pool; the "
+        "packed GEMM called from compiled steps), built once per machine under "
+        "$HYLOOP_CACHE_DIR; plain torch ops when off or when no compiler is found",
+    )
 
 
 class KVPoolSection(_Section):

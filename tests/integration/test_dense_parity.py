@@ -32,12 +32,16 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_greedy_matches_transformers(tiny_ckpts, prompts, arch: str, page_size: int) -> None:
+@pytest.mark.parametrize(("page_size", "cpu_ops"), [(1, True), (16, True), (16, False)])
+def test_greedy_matches_transformers(
+    tiny_ckpts, prompts, arch: str, page_size: int, cpu_ops: bool
+) -> None:
+    """``cpu_ops``: decode attention through hyloop's C++ kernel, or through torch ops."""
     hf = load_hf_model(tiny_ckpts[arch])
     refs = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
     overrides = [
         "graphs.backend=eager",
+        f"model.cpu_ops={str(cpu_ops).lower()}",
         f"kv_pool.page_size={page_size}",
         "kv_pool.num_pages=512",
         "scheduler.prefill_chunk=32",

@@ -56,12 +56,17 @@ def assert_clean_pass(rc: int, report: dict[str, Any], labels: list[str]) -> Non
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize(("page_size", "cpu_ops"), [(1, True), (16, True), (16, False)])
 def test_dense_captured_equals_eager(
-    tiny_ckpts: dict[str, Path], tmp_path: Path, page_size: int
+    tiny_ckpts: dict[str, Path], tmp_path: Path, page_size: int, cpu_ops: bool
 ) -> None:
+    """``cpu_ops``: decode attention through hyloop's C++ kernel, or inductor's code / torch."""
     rc, report = regress_report(
-        tmp_path, tiny_ckpts["llama"], "graphs.buckets=[2,4]", f"kv_pool.page_size={page_size}"
+        tmp_path,
+        tiny_ckpts["llama"],
+        "graphs.buckets=[2,4]",
+        f"kv_pool.page_size={page_size}",
+        f"model.cpu_ops={str(cpu_ops).lower()}",
     )
     assert report["batch_sizes"] == [1, 2, 3, 4, 5]
     assert report["page_size"] == page_size

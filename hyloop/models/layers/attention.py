@@ -24,7 +24,9 @@ class PagedAttention(nn.Module):
 
     Decode (one query per row) does not use SDPA: on CPU its flash kernel costs ~1 ms per layer
     for a single query row in bf16 (~0.3 ms in fp32), several times the two grouped matmuls and
-    softmax below, which run in fp32 whatever the pool dtype.
+    softmax below, which run in fp32 whatever the pool dtype. With ``native_decode`` (CPU, the
+    ``cpu_ops`` kernel loaded) decode runs ``hyloop::decode_attention`` instead, eager and
+    compiled alike: it reads the visible pool rows in place.
     """
 
     def __init__(
@@ -49,6 +51,9 @@ class PagedAttention(nn.Module):
         # sliding-window pool's when ``in_swa_pool`` (the model's ``place_kv_layers`` sets both).
         self.pool_layer = layer_id
         self.in_swa_pool = False
+        # CPU decode through ``hyloop::decode_attention`` (``cpu_ops``), set at assembly when
+        # the kernel is loaded.
+        self.native_decode = False
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext
@@ -65,6 +70,17 @@ class PagedAttention(nn.Module):
             k_buf, v_buf = ctx.kv.k[self.pool_layer], ctx.kv.v[self.pool_layer]
             loc = ctx.out_cache_loc
         write_kv(k_buf, v_buf, loc, k, v)
+        if t == 1 and self.native_decode:
+            # The pool rows are read in place, visible columns only: no gather.
+            out = torch.ops.hyloop.decode_attention(
+                q.reshape(b, self.num_heads, d),
+                k_buf,
+                v_buf,
+                slots.view(b, -1),
+                mask.view(b, -1),
+                self.scale,
+            )
+            return out.view(b, 1, self.num_heads * d)
 
         keys, values = self._gather(ctx, k_buf, v_buf, slots)
         length = slots.numel() // b  # kv_len, or the window on a sliding layer's decode
