@@ -85,10 +85,11 @@ def use_native(model: torch.nn.Module) -> None:
     """Route ``model``'s CPU decode attention and compiled packed GEMMs through the kernels
     (``ensure_loaded`` must have succeeded)."""
     from hyloop.models.layers.attention import PagedAttention
+    from hyloop.models.layers.local_transformer import LocalTransformer
     from hyloop.models.layers.packed_linear import PackedLinear
 
     for module in model.modules():
-        if isinstance(module, PagedAttention):
+        if isinstance(module, (PagedAttention, LocalTransformer)):
             module.native_decode = True
         elif isinstance(module, PackedLinear) and not module.native:
             torch.ops.hyloop.register_packed(module.handle, module.packed, module.bias)

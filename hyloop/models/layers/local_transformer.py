@@ -18,7 +18,7 @@ from torch import nn
 
 ACTIVATIONS = ("silu", "swish", "gelu_new")
 
-# Per layer (keys, values), each [B, heads, max_positions, head_dim].
+# Per layer (keys, values), each [B, max_positions, heads, head_dim].
 LocalKV = list[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -85,6 +85,8 @@ class LocalTransformer(nn.Module):
         self.register_buffer("rope_cos", torch.empty(shape), persistent=False)
         self.register_buffer("rope_sin", torch.empty(shape), persistent=False)
         self.reset_buffers()
+        # CPU: attend through ``hyloop::decode_attention`` (``cpu_ops.use_native`` sets it).
+        self.native_decode = False
 
     def reset_buffers(self) -> None:
         if self.rope_cos.is_meta:
@@ -99,7 +101,7 @@ class LocalTransformer(nn.Module):
 
     def new_cache(self, batch: int, like: torch.Tensor) -> LocalKV:
         """Fresh per-frame K/V (positions are written before they are read)."""
-        shape = (batch, self.num_heads, self.max_positions, self.head_dim)
+        shape = (batch, self.max_positions, self.num_heads, self.head_dim)
         return [(like.new_empty(shape), like.new_empty(shape)) for _ in self.h]
 
     def step(self, x: torch.Tensor, pos: int, cache: LocalKV) -> torch.Tensor:
@@ -110,16 +112,39 @@ class LocalTransformer(nn.Module):
             q, k, v = block.attn.c_attn(block.ln_1(x)).view(b, 3, nh, hd).unbind(1)
             q = q * cos + _rotate_pairs(q) * sin
             k = k * cos + _rotate_pairs(k) * sin
-            k_cache[:, :, pos] = k
-            v_cache[:, :, pos] = v
-            keys = k_cache[:, :, : pos + 1].float()  # [B, nh, L, hd]
-            values = v_cache[:, :, : pos + 1].float()
-            scores = torch.matmul(q.float().unsqueeze(2), keys.transpose(-1, -2))
-            probs = torch.softmax(scores * hd**-0.5, dim=-1)  # [B, nh, 1, L]
-            out = torch.matmul(probs, values).to(x.dtype).reshape(b, self.hidden)
+            k_cache[:, pos] = k
+            v_cache[:, pos] = v
+            if self.native_decode:
+                out = self._attend_native(q, k_cache, v_cache, pos)
+            else:
+                keys = k_cache[:, : pos + 1].transpose(1, 2).float()  # [B, nh, L, hd]
+                values = v_cache[:, : pos + 1].transpose(1, 2).float()
+                scores = torch.matmul(q.float().unsqueeze(2), keys.transpose(-1, -2))
+                probs = torch.softmax(scores * hd**-0.5, dim=-1)  # [B, nh, 1, L]
+                out = torch.matmul(probs, values).to(x.dtype).reshape(b, self.hidden)
             x = x + block.attn.c_proj(out)
             x = x + block.mlp(block.ln_2(x))
         return self.ln_f(x)
+
+    def _attend_native(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: int
+    ) -> torch.Tensor:
+        """Positions ``0..pos`` of each row's frame KV, read in place as a paged pool whose
+        slot ``b * max_positions + p`` is row b's position p."""
+        b, positions = q.shape[0], self.max_positions
+        slots = torch.arange(b, device=q.device).view(b, 1) * positions + torch.arange(
+            pos + 1, device=q.device
+        )
+        bias = torch.zeros(b, pos + 1, dtype=torch.float32, device=q.device)
+        out = torch.ops.hyloop.decode_attention(
+            q,
+            k_cache.view(b * positions, self.num_heads, self.head_dim),
+            v_cache.view(b * positions, self.num_heads, self.head_dim),
+            slots,
+            bias,
+            self.head_dim**-0.5,
+        )
+        return out.reshape(b, self.hidden)
 
 
 def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:

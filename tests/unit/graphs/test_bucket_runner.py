@@ -15,7 +15,7 @@ import torch
 from conftest import load_hf_model
 
 from hyloop.framework.step_fn import SamplingTensors, StepOutput, run_step
-from hyloop.graphs.backends import RecompileError
+from hyloop.graphs.backends import GUARD_EVERY, RecompileError
 from hyloop.graphs.bucket_runner import BucketRunner
 from hyloop.graphs.buckets import kv_len_buckets, pick_bucket
 from hyloop.graphs.safety import check_capture_safe
@@ -329,11 +329,37 @@ def test_recompile_is_fatal_and_stays_in_its_runner(
     assert_same(compiled.run(check), eager.run(check))
     assert torch.equal(other.run(inputs), base.emb[inputs.input_ids[:, 0]] + 1.0)
     knob["offset"] = 2.0
+    # Guards run on every GUARD_EVERY-th replay: the drift is caught within that many.
     with pytest.raises(RecompileError, match=r"drift: bucket\(batch=2, kv_len=8, .*recompiled"):
-        other.run(inputs)
+        for _ in range(GUARD_EVERY):
+            other.run(inputs)
     assert other.stats()["recompiles"] == 1
     assert_same(compiled.run(check), eager.run(check))
     assert compiled.stats()["recompiles"] == 0
+
+
+def test_warm_replays_run_the_compiled_frame_and_check_guards_periodically() -> None:
+    base = ToyPools.build(seed=14)
+
+    def step(inputs: StepInputs) -> torch.Tensor:
+        return base.emb[inputs.input_ids[:, 0]] * 2
+
+    runner = BucketRunner(
+        step, backend="compile", buckets=[2], kv_len_buckets=[8], device="cpu",
+        padding_row=PAD_ROW, name="direct",
+    )  # fmt: skip
+    inputs = make_inputs(2, 8, seed=15)
+    expected = base.emb[inputs.input_ids[:, 0]] * 2
+    assert torch.equal(runner.run(inputs), expected)  # captures and warms up
+    (artifact,) = runner._artifacts.values()
+    guarded = artifact._compiled
+    calls = []
+    artifact._compiled = lambda static: calls.append(1) or guarded(static)
+    for i in range(2 * GUARD_EVERY):
+        other = make_inputs(2, 8, seed=16 + i)
+        assert torch.equal(runner.run(other), base.emb[other.input_ids[:, 0]] * 2)
+    assert len(calls) == 2  # the guarded path: every GUARD_EVERY-th replay only
+    assert runner.stats()["recompiles"] == 0
 
 
 def test_strict_stance_refuses_the_recompile() -> None:
