@@ -66,6 +66,10 @@ def candidate_cap(groups: Iterable[tuple[float, int, float]], vocab: int) -> int
     return min(vocab, 1 << (widest - 1).bit_length())
 
 
+# Largest cap for ``hyloop::topk_rows``: its insertion costs grow with k.
+NATIVE_TOPK_MAX = 64
+
+
 def sample(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -76,6 +80,7 @@ def sample(
     tok_hash: torch.Tensor,
     top_cap: int,
     greedy_only: bool = False,
+    native_topk: bool = False,
 ) -> torch.Tensor:
     """Next token ids ``[B]`` (int64) from fp32 ``logits [B, V]``.
 
@@ -84,7 +89,8 @@ def sample(
     whole vocabulary unfiltered; otherwise each row samples among its ``top_cap`` largest logits
     (a ``topk``, or a full sort when the cap is the vocabulary), which hold its top-k.
     ``greedy_only`` (static) skips the noise when every row is greedy; the result is the same
-    argmax either way.
+    argmax either way. ``native_topk`` (CPU, ``cpu_ops`` loaded) takes a cap of at most
+    ``NATIVE_TOPK_MAX`` candidates with ``hyloop::topk_rows`` (ties to the lower index).
     """
     greedy = logits.argmax(dim=-1)
     if greedy_only:
@@ -96,7 +102,9 @@ def sample(
         sampled = (scaled + gumbel_noise(seeds, out_pos, tok_hash[:vocab])).argmax(dim=-1)
         return torch.where(temperature > 0, sampled, greedy)
     cap = min(top_cap, vocab)
-    if cap < vocab:
+    if native_topk and cap <= NATIVE_TOPK_MAX:
+        top, order = torch.ops.hyloop.topk_rows(scaled, cap)
+    elif cap < vocab:
         top, order = scaled.topk(cap, dim=-1)
     else:
         top, order = scaled.sort(dim=-1, descending=True)

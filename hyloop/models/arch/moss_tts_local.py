@@ -200,6 +200,8 @@ class MossTTSLocalLM(nn.Module):
             nn.Linear(self.hidden_size, cfg.audio_vocab_size, bias=False) for _ in range(cfg.n_vq)
         )
         self.tie_weights()
+        # CPU: the code samplers' candidates through ``hyloop::topk_rows`` (``cpu_ops``).
+        self.native_sampling = False
 
     def tie_weights(self) -> None:
         for head, table in zip(self.audio_heads, self.audio_embeddings, strict=True):
@@ -263,6 +265,7 @@ class MossTTSLocalLM(nn.Module):
             tok_hash[:2],
             2,  # both candidates: exact for every row's top-k / top-p
             s.greedy_only,
+            self.native_sampling,
         )
         penalty = s.audio_repetition_penalty.float()[:, None]
         codes: list[torch.Tensor] = []
@@ -280,6 +283,7 @@ class MossTTSLocalLM(nn.Module):
                 tok_hash[:v],
                 s.audio_top_cap,
                 s.greedy_only,
+                self.native_sampling,
             )
             codes.append(code)
             if keep_logits:

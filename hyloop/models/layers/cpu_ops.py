@@ -8,6 +8,10 @@ context rather than the kv_len bucket. Inductor's code for the same math costs 5
 batch-8 decode (its softmax over the column axis becomes a parallel reduction per row), and the
 eager form gathers and converts every column first.
 
+``hyloop::topk_rows(x [B, V] fp32, k) -> (values, indices)``: the k largest per row,
+descending, ties to the lower index (a sampler's candidates: aten's topk costs ~80 us a call
+inside a decode step, this a few microseconds a row for k = 32 of 1024).
+
 ``hyloop::packed_linear_native(x, handle)`` is ``PackedLinear``'s GEMM with no Python kernel:
 a compiled step's C++ wrapper calls it directly (the Python-kernel ``hyloop::packed_linear`` costs
 ~10 us a call from there, ~1 ms of a 92-GEMM TTS frame step). ``use_native`` registers each
@@ -64,6 +68,10 @@ def _packed_linear_fake(x: torch.Tensor, handle: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], _PACKED[handle].out_features))
 
 
+def _topk_rows_fake(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.new_empty((x.shape[0], k)), x.new_empty((x.shape[0], k), dtype=torch.long)
+
+
 _lock = threading.Lock()
 _state: dict[str, bool] = {}  # "loaded": the kernels are registered (absent: not tried yet)
 
@@ -91,6 +99,8 @@ def use_native(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, (PagedAttention, LocalTransformer)):
             module.native_decode = True
+        elif hasattr(module, "native_sampling"):
+            module.native_sampling = True
         elif isinstance(module, PackedLinear) and not module.native:
             torch.ops.hyloop.register_packed(module.handle, module.packed, module.bias)
             weakref.finalize(module, torch.ops.hyloop.unregister_packed, module.handle)
@@ -138,6 +148,7 @@ def _load() -> bool:
             _build(compiler, path)
         torch.ops.load_library(str(path))
         torch.library.register_fake("hyloop::packed_linear_native", _packed_linear_fake)
+        torch.library.register_fake("hyloop::topk_rows", _topk_rows_fake)
     except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", None) or str(e)
         log.warning("hyloop CPU kernels unavailable (%s); plain PyTorch paths", detail[-2000:])

@@ -177,3 +177,25 @@ def test_the_library_is_cached_per_machine_and_source() -> None:
     path = cpu_ops.library_path()
     assert path.exists() and path.suffix == ".so"
     assert path == cpu_ops.library_path()  # stable key: loaded, not rebuilt
+
+
+@pytest.mark.parametrize("k", [1, 2, 25, 32, 64])
+def test_topk_rows_matches_a_stable_sort(k: int) -> None:
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(9, 1024, generator=g)
+    x[1, 100:200] = 3.0  # ties: the lower index first
+    x[2] = 0.0
+    x[3, ::3] = float("-inf")
+    values, indices = torch.ops.hyloop.topk_rows(x, k)
+    order = torch.sort(-x, dim=-1, stable=True).indices[:, :k]
+    assert torch.equal(indices, order)
+    assert torch.equal(values, x.gather(1, order))
+    compiled = torch.compile(lambda t: torch.ops.hyloop.topk_rows(t * 2, k), fullgraph=True)
+    assert torch.equal(compiled(x)[1], torch.ops.hyloop.topk_rows(x * 2, k)[1])
+
+
+def test_topk_rows_rejects_bad_k() -> None:
+    with pytest.raises(RuntimeError, match="outside"):
+        torch.ops.hyloop.topk_rows(torch.zeros(2, 8), 9)
+    with pytest.raises(RuntimeError, match="fp32"):
+        torch.ops.hyloop.topk_rows(torch.zeros(2, 8, dtype=torch.float64), 2)
