@@ -136,6 +136,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 "lookahead.enable=false",
                 f"dtype={args.dtype}",
                 f"graphs.kv_len_bucket={args.kv_len_bucket}",
+                "model.cpu_ops=true",  # hyloop's CPU kernels built now if this machine lacks them
             ]
             engines[backend] = stack.enter_context(TTSEngine(ckpt, overrides=overrides))
         for batch in args.batches:

@@ -9,6 +9,16 @@ from typing import Any
 import pytest
 import torch
 
+from hyloop.models.layers import cpu_ops
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Build (once per machine) and load hyloop's CPU kernels before any engine exists, so
+    # every engine of the session takes the same path (``model.cpu_ops=auto`` would otherwise
+    # leave a fresh machine's whole session on torch ops while a background build runs).
+    cpu_ops.ensure_loaded(build=True)
+
+
 # Tiny test models gain nothing from intra-op threads and lose a lot to their contention.
 torch.set_num_threads(1)
 

@@ -88,7 +88,8 @@ def build_parts(cfg: EngineConfig, loaded: LoadedModel | None = None) -> EngineP
         packed = pack_linears(model)
         if cfg.model.cpu_kernels == "measure":
             kernels = choose_kernels(cfg, model)
-    if device.type == "cpu" and cfg.model.cpu_ops and cpu_ops.ensure_loaded():
+    native = device.type == "cpu" and cfg.model.cpu_ops is not False
+    if native and cpu_ops.ensure_loaded(build=cfg.model.cpu_ops is True):
         cpu_ops.use_native(model)
     spec = model.spec
     swa_layers = 0
@@ -286,7 +287,7 @@ def step_history(cfg: EngineConfig, kind: str) -> StepHistory:
         sorted(g.compile_options.items()),
         cfg.model.cpu_packed_linear,
         cfg.model.cpu_kernels,
-        cfg.model.cpu_ops and cpu_ops.available(),
+        cfg.model.cpu_ops is not False and cpu_ops.available(),
     )
     return StepHistory(cache_dir() / "steps" / f"{key}.json")
 

@@ -45,11 +45,13 @@ class ModelSection(_Section):
         description="CPU GEMM per Linear shape and row count: the fastest measured on this "
         "machine (kept under $HYLOOP_CACHE_DIR), or always the packed oneDNN call",
     )
-    cpu_ops: bool = Field(
-        True,
-        description="CPU: hyloop's C++ kernels (decode attention over the paged pool; the "
-        "packed GEMM called from compiled steps), built once per machine under "
-        "$HYLOOP_CACHE_DIR; plain torch ops when off or when no compiler is found",
+    cpu_ops: Literal["auto"] | bool = Field(
+        "auto",
+        description="CPU: hyloop's C++ kernels (decode attention over the paged pool, a "
+        "sampler's top-k, the packed GEMM called from compiled steps), kept under "
+        "$HYLOOP_CACHE_DIR/cpu_ops: true builds them now if needed (~9 s, once per machine); "
+        "auto uses them when built and otherwise builds them in the background for later "
+        "runs; false: plain torch ops",
     )
 
 

@@ -18,20 +18,26 @@ a compiled step's C++ wrapper calls it directly (the Python-kernel ``hyloop::pac
 layer's packed weight with it and switches the model's attention and GEMMs over.
 
 The library is kept under ``$HYLOOP_CACHE_DIR/cpu_ops/<key>.so``; the key covers the source, torch
-and the CPU (it is built with ``-march=native``). ``ensure_loaded()`` builds it (~10 s on 2 cores)
-or loads it; when no compiler is found or the build fails, it logs why and callers keep their
-plain PyTorch paths. ``HYLOOP_CPU_OPS=0`` turns the kernels off.
+and the CPU (it is built with ``-march=native``). ``ensure_loaded()`` builds it (~9 s on 2 cores)
+or loads it; ``ensure_loaded(build=False)`` (the engine's ``model.cpu_ops=auto``) loads it when
+built and otherwise builds it in the background once this process exits, for later runs: a first
+run on a machine neither waits for the compiler nor shares its cores with it. When no compiler is
+found or the build fails, it logs why and callers keep their plain PyTorch paths.
+``HYLOOP_CPU_OPS=0`` turns the kernels off.
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
 import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -81,11 +87,14 @@ def available() -> bool:
     return _state.get("loaded", False)
 
 
-def ensure_loaded() -> bool:
-    """Build (once per machine) and load the kernels; False when they cannot be had here."""
+def ensure_loaded(build: bool = True) -> bool:
+    """Load the kernels, building them first (once per machine) when ``build``; False when they
+    cannot be had here. Without ``build`` a missing library is built by a detached background
+    process (``nice``) for later runs, and this process keeps the torch paths: the first decision
+    in a process stands, so one process never mixes the two paths."""
     with _lock:
         if "loaded" not in _state:
-            _state["loaded"] = _load()
+            _state["loaded"] = _load(build)
         return _state["loaded"]
 
 
@@ -135,7 +144,7 @@ def library_path() -> Path:
     return cache_dir() / "cpu_ops" / f"{key}.so"
 
 
-def _load() -> bool:
+def _load(build: bool) -> bool:
     if os.environ.get("HYLOOP_CPU_OPS", "1") == "0":
         return False
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
@@ -143,6 +152,10 @@ def _load() -> bool:
         log.warning("hyloop CPU kernels: no C++ compiler found; using plain PyTorch paths")
         return False
     path = library_path()
+    if not path.exists() and not build:
+        log.info("hyloop CPU kernels not built yet: torch ops now, a build at exit for later runs")
+        _build_in_background(compiler, path)
+        return False
     try:
         if not path.exists():
             _build(compiler, path)
@@ -154,6 +167,35 @@ def _load() -> bool:
         log.warning("hyloop CPU kernels unavailable (%s); plain PyTorch paths", detail[-2000:])
         return False
     return True
+
+
+def _build_in_background(compiler: str, path: Path) -> None:
+    """When this process exits, start a detached, niced build of ``path`` (unless one started in
+    the last 10 minutes): the build never competes with this process's own job."""
+    atexit.register(_spawn_build, compiler, path)
+
+
+def _spawn_build(compiler: str, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    marker = path.with_suffix(".building")
+    try:
+        if time.time() - marker.stat().st_mtime < 600:
+            return
+    except OSError:
+        pass
+    marker.touch()
+    tmp = f"{path}.{os.getpid()}.tmp"
+    command = shlex.join([compiler, str(SOURCE), "-o", tmp, *_flags()])
+    script = f"{command} && mv -f {shlex.quote(tmp)} {shlex.quote(str(path))}; "
+    script += f"rm -f {shlex.quote(tmp)} {shlex.quote(str(marker))}"
+    nice = ["nice", "-n", "19"] if shutil.which("nice") else []
+    subprocess.Popen(
+        [*nice, "sh", "-c", script],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # outlives this process
+    )
 
 
 def _build(compiler: str, path: Path) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gc
 import math
+import shutil
+import time
 
 import pytest
 import torch
@@ -199,3 +201,25 @@ def test_topk_rows_rejects_bad_k() -> None:
         torch.ops.hyloop.topk_rows(torch.zeros(2, 8), 9)
     with pytest.raises(RuntimeError, match="fp32"):
         torch.ops.hyloop.topk_rows(torch.zeros(2, 8, dtype=torch.float64), 2)
+
+
+def test_a_missing_library_is_built_in_the_background(tmp_path, monkeypatch) -> None:
+    """``ensure_loaded(build=False)``'s path: a detached build fills the cache for later runs
+    (not loaded here: this process already holds the kernels)."""
+    monkeypatch.setenv("HYLOOP_CACHE_DIR", str(tmp_path))
+    path = cpu_ops.library_path()
+    assert not path.exists()
+    compiler = shutil.which("g++") or shutil.which("c++")
+    assert compiler is not None  # the module's skip guarantees one
+    cpu_ops._spawn_build(compiler, path)  # what the exit hook of build=False runs
+    assert path.with_suffix(".building").exists()
+    deadline = time.monotonic() + 300
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert path.exists() and path.stat().st_size > 0
+    for _ in range(20):  # the marker goes right after the rename
+        if not path.with_suffix(".building").exists():
+            break
+        time.sleep(0.1)
+    assert not path.with_suffix(".building").exists()
+    assert not list(path.parent.glob("*.tmp"))
