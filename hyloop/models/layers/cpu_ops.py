@@ -68,12 +68,6 @@ def _decode_attention_fake(
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
-def _packed_linear_fake(x: torch.Tensor, handle: int) -> torch.Tensor:
-    from hyloop.models.layers.packed_linear import _PACKED
-
-    return x.new_empty((*x.shape[:-1], _PACKED[handle].out_features))
-
-
 def _topk_rows_fake(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x.new_empty((x.shape[0], k)), x.new_empty((x.shape[0], k), dtype=torch.long)
 
@@ -137,6 +131,10 @@ def _flags() -> list[str]:
     ]
 
 
+def _compile_command(compiler: str, out: str) -> list[str]:
+    return [compiler, str(SOURCE), "-o", out, *_flags()]
+
+
 def library_path() -> Path:
     cpu = cpu_description()
     parts = [SOURCE.read_text(), torch.__version__, cpu["model"], cpu["flags"], *_flags()]
@@ -160,6 +158,9 @@ def _load(build: bool) -> bool:
         if not path.exists():
             _build(compiler, path)
         torch.ops.load_library(str(path))
+        from hyloop.models.layers.packed_linear import _packed_linear_fake
+
+        # Same output as the Python-kernel hyloop::packed_linear.
         torch.library.register_fake("hyloop::packed_linear_native", _packed_linear_fake)
         torch.library.register_fake("hyloop::topk_rows", _topk_rows_fake)
     except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
@@ -185,7 +186,7 @@ def _spawn_build(compiler: str, path: Path) -> None:
         pass
     marker.touch()
     tmp = f"{path}.{os.getpid()}.tmp"
-    command = shlex.join([compiler, str(SOURCE), "-o", tmp, *_flags()])
+    command = shlex.join(_compile_command(compiler, tmp))
     script = f"{command} && mv -f {shlex.quote(tmp)} {shlex.quote(str(path))}; "
     script += f"rm -f {shlex.quote(tmp)} {shlex.quote(str(marker))}"
     nice = ["nice", "-n", "19"] if shutil.which("nice") else []
@@ -206,7 +207,7 @@ def _build(compiler: str, path: Path) -> None:
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, str(SOURCE), "-o", tmp, *_flags()],
+            _compile_command(compiler, tmp),
             check=True,
             capture_output=True,
             text=True,
