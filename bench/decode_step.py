@@ -48,7 +48,6 @@ from common import (  # noqa: E402
 from profile_ops import CATEGORIES, kernel_profile_enabled, profile_engine  # noqa: E402
 
 from hyloop import LLM, SamplingParams  # noqa: E402
-from hyloop.framework.model_runner import compile_options  # noqa: E402
 
 
 def tiny_checkpoint(root: Path) -> Path:
@@ -222,7 +221,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
             with LLM(model=gguf, overrides=overrides) as llm:
                 # The inductor options the step compiled with (cpp_wrapper: kernel events
                 # come from the C++ wrapper's calls).
-                compile_opts = compile_options(llm.engine.cfg.graphs, torch.device(args.device))
+                compile_opts = llm.graphs.runner.compile_options
                 for batch in args.batches:
                     prompts = make_prompts(llm.engine.vocab_size, batch, args.prompt_len)
                     warm = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)

@@ -173,9 +173,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         ]
         with LLM(model=model, overrides=overrides) as llm:
             weight_bytes = int(llm.stats()["weight_bytes"])
-            kernels[dtype] = llm.parts.derived.get("cpu_kernels")
-            rate = gemm_rate(llm.parts.model)
-            flops_per_row = 2.0 * linear_params(llm.parts.model)
+            kernels[dtype] = llm.engine.derived.cpu_kernels
+            rate = gemm_rate(llm.engine.model)
+            flops_per_row = 2.0 * linear_params(llm.engine.model)
             print(f"{dtype}: GEMM rate at 16 rows {rate / 1e9:.0f} GFLOP/s")
             for batch in args.batches:
                 prompts = make_prompts(llm, batch, args.prompt_len)

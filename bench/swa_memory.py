@@ -28,12 +28,11 @@ sys.path.insert(0, str(ROOT))
 
 from common import cpu_name, lscpu_fields, write_json  # noqa: E402
 
-from hyloop.framework.assembly import build_parts  # noqa: E402
+from hyloop.framework.assembly import build_engine  # noqa: E402
 from hyloop.framework.config import load_config  # noqa: E402
-from hyloop.framework.engine import Engine  # noqa: E402
 from hyloop.framework.sampling_params import SamplingParams  # noqa: E402
-from hyloop.framework.swa_windows import SWAWindows  # noqa: E402
 from hyloop.models.loader import LoadedModel, load_model  # noqa: E402
+from hyloop.pools import SWAWindows  # noqa: E402
 
 PROMPT = "Write a long story about a lighthouse keeper who finds a map in a bottle."
 PAGE_SIZE = 16
@@ -70,20 +69,16 @@ def run_engine(
             "lookahead.enable=false",
         ],
     )
-    parts = build_parts(cfg, loaded)  # one load serves every run (packing is idempotent)
-    engine = Engine(parts)
+    engine = build_engine(cfg, loaded)  # one load serves every run (packing is idempotent)
     try:
-        model = parts.model
+        c = engine.model.contract
         per_layer = (
-            2
-            * model.kv_heads
-            * model.head_dim
-            * torch.empty((), dtype=torch.float32).element_size()
+            2 * c.kv_heads * c.head_dim * torch.empty((), dtype=torch.float32).element_size()
         )
-        full_layers = model.num_kv_layers
-        swa_layers = model.spec.num_layers - full_layers
-        assert parts.tokenizer is not None
-        ids = parts.tokenizer.encode(PROMPT)
+        full_layers = len(engine.kind.pools.kv.k)
+        swa_layers = len(c.kv_windows) - full_layers
+        assert engine.tokenizer is not None
+        ids = engine.tokenizer.encode(PROMPT)
         assert len(ids) <= prompt_tokens
         params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
         for i in range(n_requests):

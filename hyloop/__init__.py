@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hyloop.framework.llm import LLM
-    from hyloop.framework.request import RequestOutput
+    from hyloop.framework.requests import RequestOutput
     from hyloop.framework.sampling_params import SamplingParams
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
@@ -19,7 +19,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name == "RequestOutput":
-        from hyloop.framework.request import RequestOutput
+        from hyloop.framework.requests import RequestOutput
 
         return RequestOutput
     if name == "SamplingParams":

@@ -25,19 +25,16 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="run N engine replicas through Ray Data (local Ray unless ray.address=...)",
     )
-    gen.add_argument("overrides", nargs="*", help="config overrides, key=value")
     tts = sub.add_parser("tts", help="TTS frames (JSONL of prompt rows in, frames as .npy out)")
     tts.add_argument("--config", action="append", default=[], help="YAML config (repeatable)")
     tts.add_argument("--model", help="TTS checkpoint directory (model_type moss_tts_local)")
     tts.add_argument("--input", help="requests JSONL: {rows | rows_npy, max_frames, params...}")
     tts.add_argument("--output", help="output JSONL (frames .npy files beside it)")
     tts.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    tts.add_argument("overrides", nargs="*", help="config overrides, key=value")
     reg = sub.add_parser("regress", help="graph-vs-eager regression recipe")
     reg.add_argument("--config", action="append", default=[], help="YAML config (repeatable)")
     reg.add_argument("--model", help="checkpoint (default: the recipe's)")
     reg.add_argument("--json", help="write the report as JSON here")
-    reg.add_argument("overrides", nargs="*", help="config overrides, key=value")
     warm = sub.add_parser(
         "warmup",
         help="capture the artifacts a config will use and time them (kept under $HYLOOP_CACHE_DIR)",
@@ -48,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         "--kv-len", type=int, default=512, help="warm the buckets of contexts up to this (512)"
     )
     warm.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    warm.add_argument("overrides", nargs="*", help="config overrides, key=value")
+    for cmd in (gen, tts, reg, warm):
+        cmd.add_argument("overrides", nargs="*", help="config overrides, key=value")
     # Overrides (key=value) may come before or after options; argparse takes one run of them.
     args, extra = parser.parse_known_args(argv)
     stray = [a for a in extra if a.startswith("-") or "=" not in a]

@@ -8,8 +8,11 @@ from typing import Any
 
 import pytest
 import torch
+from row_lm import RowCausalLM  # noqa: F401  (registers HyloopRowLM)
 
-from hyloop.models.layers import cpu_ops
+from hyloop.graphs.step_batch import StepBatch, StepPools
+from hyloop.models.cpu import cpu_ops
+from hyloop.models.layers.attention import TorchPath
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -18,6 +21,51 @@ def pytest_configure(config: pytest.Config) -> None:
     # leave a fresh machine's whole session on torch ops while a background build runs).
     cpu_ops.ensure_loaded(build=True)
 
+
+def make_batch(
+    *,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    req_rows: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    req_to_token: torch.Tensor,
+    kv_len: int,
+    kv: Any = None,
+    recurrent: Any = None,
+    state_slots: torch.Tensor | None = None,
+    track_slots: torch.Tensor | None = None,
+    is_decode: bool = False,
+    compute: Any = None,
+) -> StepBatch:
+    """A ``StepBatch`` for driving a model by hand (torch compute path unless given)."""
+    zeros = torch.zeros(input_ids.shape[0], dtype=torch.int64)
+    return StepBatch(
+        input_ids=input_ids,
+        positions=positions,
+        out_cache_loc=out_cache_loc,
+        req_rows=req_rows,
+        prefix_lens=prefix_lens,
+        extend_lens=extend_lens,
+        state_slots=zeros if state_slots is None else state_slots,
+        track_slots=zeros if track_slots is None else track_slots,
+        out_pos=zeros,
+        pools=StepPools(req_to_token, kv, recurrent, compute=compute or TorchPath()),
+        kv_len=kv_len,
+        is_decode=is_decode,
+    )
+
+
+# bf16 in a oneDNN-packed Linear, where this CPU can pack it (AVX-512 or AVX-NE-CONVERT).
+BF16_PACKED = pytest.param(
+    torch.bfloat16,
+    marks=pytest.mark.skipif(
+        not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+        reason="this CPU has no oneDNN bf16 packing (needs AVX-512 or AVX-NE-CONVERT)",
+    ),
+    id="bfloat16",
+)
 
 # Tiny test models gain nothing from intra-op threads and lose a lot to their contention.
 torch.set_num_threads(1)
@@ -180,8 +228,6 @@ TINY_ROW: dict[str, Any] = dict(
 def build_row_checkpoint(path: Path, config: dict[str, Any] = TINY_ROW, seed: int = 0) -> Path:
     """A random multi-channel row model in hyloop's own layout (no HF class exists for it)."""
     from safetensors.torch import save_file
-
-    from hyloop.models.arch.row_lm import RowCausalLM
 
     torch.manual_seed(seed)
     model = RowCausalLM(config)

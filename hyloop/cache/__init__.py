@@ -15,7 +15,7 @@ from hyloop.cache.params import (
     MatchResult,
 )
 from hyloop.cache.protocol import PrefixCache
-from hyloop.cache.tree import UnifiedRadixCache
+from hyloop.cache.unified import UnifiedRadixCache
 
 __all__ = [
     "FULL",

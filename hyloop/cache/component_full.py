@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from hyloop.cache.component_base import CacheComponent, ComponentHost
+import numpy as np
+import torch
+
+from hyloop.cache.component_base import CacheComponent, ComponentHost, check_pages
 from hyloop.cache.lru import LeafHeap
 from hyloop.cache.node import FULL, TreeNode
+from hyloop.pools.page_allocator import PageAllocator
 
 
 def _full_stamp(node: TreeNode) -> int:
@@ -23,9 +27,12 @@ class FullComponent(CacheComponent):
     kind = FULL
     name = "full"
     priority = 2
+    evict_param = "num_tokens"
+    evicted_field = "num_tokens_evicted"
 
-    def __init__(self, cache: ComponentHost) -> None:
+    def __init__(self, cache: ComponentHost, allocator: PageAllocator) -> None:
         super().__init__(cache)
+        self.allocator = allocator
         self.heap = LeafHeap(_full_stamp)
 
     def _is_evictable_leaf(self, node: TreeNode) -> bool:
@@ -52,9 +59,6 @@ class FullComponent(CacheComponent):
         node.component_data[FULL].last_access = stamp
         self.evictable += node.length
 
-    def on_insert_overlap(self, node: TreeNode, stamp: int) -> None:
-        node.component_data[FULL].last_access = stamp
-
     def on_split(self, upper: TreeNode, lower: TreeNode) -> None:
         src = lower.component_data[FULL]
         dst = upper.component_data[FULL]
@@ -64,8 +68,33 @@ class FullComponent(CacheComponent):
     def on_delete(self, node: TreeNode) -> None:
         cd = node.component_data[FULL]
         self.evictable -= node.length
-        self.cache.queue_kv_free(cd.value)
+        self.cache.queue_free(FULL, cd.value)
         cd.value = None
+
+    def free_duplicates(
+        self, value: torch.Tensor, overlap: list[torch.Tensor], prefix_len: int
+    ) -> int:
+        """Queue the caller's copies of ``value[:prefix_len]`` that differ from the tree's.
+
+        NOTE: slots the caller got from the tree (an earlier match) equal the tree's own and are
+        kept; only true duplicates are freed. numpy compares here because these small ops are
+        several times cheaper than their torch equivalents on the host.
+        """
+        mine = value[:prefix_len]
+        mine_np = mine.numpy() if mine.device.type == "cpu" else mine.cpu().numpy()
+        tree_np = [t.numpy() for t in overlap]
+        same = np.equal(mine_np, tree_np[0] if len(tree_np) == 1 else np.concatenate(tree_np))
+        if not same.any():
+            self.cache.queue_free(FULL, mine)
+            return prefix_len
+        if same.all():
+            return 0
+        dup = mine[torch.from_numpy(~same)]
+        self.cache.queue_free(FULL, dup)
+        return dup.numel()
+
+    def free(self, items: list[torch.Tensor]) -> None:
+        self.allocator.free(items[0] if len(items) == 1 else torch.cat(items))
 
     def drop(self, node: TreeNode) -> int:
         # NOTE: FULL has no tombstones; its data leaves only with the node (``delete_leaf``).
@@ -157,3 +186,16 @@ class FullComponent(CacheComponent):
                 f"full: sizes (evictable, protected) = {(self.evictable, self.protected)}, "
                 f"recomputed {(evictable, protected)}"
             )
+
+    def check_ledger(self, nodes: list[TreeNode], held: dict[str, int]) -> None:
+        tree = check_pages("kv", [n.component_data[FULL].value for n in nodes], self.allocator)
+        alloc = self.allocator
+        request, pending = held["request_held_tokens"], held["pending_free_tokens"]
+        total = alloc.available_size() + pending + request + tree
+        if total != alloc.capacity:
+            raise AssertionError(
+                f"kv ledger: free {alloc.available_size()} + pending-free {pending} + "
+                f"request-held {request} + tree {tree} = {total}, capacity {alloc.capacity}"
+            )
+        if self.evictable + self.protected != tree:
+            raise AssertionError("kv ledger: evictable + protected != tokens held by the tree")

@@ -9,23 +9,34 @@ removes a snapshot leaf whole.
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 from hyloop.cache.component_base import CacheComponent, ComponentHost
 from hyloop.cache.lru import LRUList
-from hyloop.cache.node import FULL, RECURRENT, TreeNode
-from hyloop.pools.slot_allocator import SlotAllocator
+from hyloop.cache.node import RECURRENT, TreeNode
+from hyloop.cache.params import InsertParams
+
+
+class SlotOwner(Protocol):
+    """Where snapshot slots come from and go back to: a ``SlotAllocator``, or the engine's
+    ``RecurrentPool`` (whose ``free`` keeps its slot roles and the step fence)."""
+
+    capacity: int
+
+    def available_size(self) -> int: ...
+
+    def free(self, slots: list[int]) -> None: ...
 
 
 class RecurrentComponent(CacheComponent):
     kind = RECURRENT
     name = "recurrent"
     priority = 0
+    evict_param = "recurrent_num"
+    evicted_field = "recurrent_num_evicted"
 
-    def __init__(self, cache: ComponentHost, allocator: SlotAllocator) -> None:
+    def __init__(self, cache: ComponentHost, allocator: SlotOwner) -> None:
         super().__init__(cache)
-        if not isinstance(allocator, SlotAllocator):
-            raise TypeError(
-                f"recurrent_allocator must be a SlotAllocator, got {type(allocator).__name__}"
-            )
         self.allocator = allocator
         self.lru = LRUList()
 
@@ -41,6 +52,22 @@ class RecurrentComponent(CacheComponent):
         if cd.value is not None:
             self.lru.push_mru(cd, stamp)
 
+    def match_fields(self, node: TreeNode) -> dict[str, Any]:
+        slot = node.component_data[RECURRENT].value
+        return {"recurrent_hit": slot is not None, "recurrent_slot": slot}
+
+    # -- insert ---------------------------------------------------------------------------------
+    def begin_insert(self, params: InsertParams, aligned: int) -> int | None:
+        return None if params.recurrent_slot is None else int(params.recurrent_slot)
+
+    def finish_insert(
+        self, node: TreeNode, state: int | None, stamp: int, whole: bool
+    ) -> dict[str, Any]:
+        """A snapshot is the state after the whole key: taken only when nothing was cut off."""
+        if state is None or not whole:
+            return {}
+        return {"recurrent_taken": True, "recurrent_stored": self.attach(node, state, stamp)}
+
     # -- structure ------------------------------------------------------------------------------
     def attach(self, node: TreeNode, slot: int, stamp: int) -> bool:
         """Give ``node`` the snapshot ``slot``; returns True when stored, False when ``node``
@@ -48,7 +75,7 @@ class RecurrentComponent(CacheComponent):
         cd = node.component_data[RECURRENT]
         if cd.value is not None:
             if cd.value != slot:
-                self.cache.queue_slot_free(slot)
+                self.cache.queue_free(RECURRENT, slot)
             self.lru.push_mru(cd, stamp)
             return False
         cd.value = slot
@@ -71,13 +98,16 @@ class RecurrentComponent(CacheComponent):
         if cd.value is None:
             return 0
         self.lru.remove(cd)
-        self.cache.queue_slot_free(cd.value)
+        self.cache.queue_free(RECURRENT, cd.value)
         cd.value = None
         self.evictable -= 1
         return 1
 
     def on_delete(self, node: TreeNode) -> None:
         self.drop(node)
+
+    def free(self, items: list[int]) -> None:
+        self.allocator.free(items)
 
     # -- locks ----------------------------------------------------------------------------------
     def lock(self, node: TreeNode) -> bool:
@@ -89,6 +119,9 @@ class RecurrentComponent(CacheComponent):
             self.protected += 1
         cd.lock_ref += 1
         return True
+
+    def receipt_fields(self, token: Any) -> dict[str, Any]:
+        return {"recurrent_locked": bool(token)}
 
     def unlock(self, node: TreeNode, token: object) -> None:
         if not token:
@@ -105,20 +138,7 @@ class RecurrentComponent(CacheComponent):
 
     # -- eviction -------------------------------------------------------------------------------
     def evict(self, amount: int) -> int:
-        evicted = 0
-        cache = self.cache
-        for cd in self.lru.from_tail():
-            if evicted >= amount:
-                break
-            if cd.lock_ref:
-                continue
-            node = cd.node
-            if not node.children and node.component_data[FULL].lock_ref == 0:
-                cache.delete_leaf(node)
-                evicted += 1
-            elif cache.tombstone(node, self):
-                evicted += 1
-        return evicted
+        return self.evict_lru(self.lru, amount, lambda node: 1)
 
     # -- checks ---------------------------------------------------------------------------------
     def check(self, nodes: list[TreeNode]) -> None:
@@ -148,4 +168,16 @@ class RecurrentComponent(CacheComponent):
             raise AssertionError(
                 f"recurrent: sizes (evictable, protected) = {(self.evictable, self.protected)}, "
                 f"recomputed {(evictable, protected)}"
+            )
+
+    def check_ledger(self, nodes: list[TreeNode], held: dict[str, int]) -> None:
+        tree = [n.component_data[RECURRENT].value for n in nodes]
+        tree = [s for s in tree if s is not None]
+        alloc = self.allocator
+        request, pending = held["request_held_slots"], held["pending_free_slots"]
+        total = alloc.available_size() + pending + request + len(tree)
+        if total != alloc.capacity:
+            raise AssertionError(
+                f"slot ledger: free {alloc.available_size()} + pending-free {pending} + "
+                f"request-held {request} + tree {len(tree)} = {total}, capacity {alloc.capacity}"
             )

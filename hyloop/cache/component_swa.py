@@ -5,21 +5,41 @@ A tombstone marks the window layers' entries of a node as not reusable: a hit mu
 
 Two layouts. Without an allocator of its own, every layer shares the KV pool's slot indices, so
 the SWA value of a node is its FULL slots seen by the window layers and tombstoning frees
-nothing. With one (the window layers keep a pool of their own), the value is that pool's slots
-for the node's tokens, the tree core hands them in (``fill``), and tombstoning frees them.
+nothing. With one (the window layers keep a pool of their own, as the engine builds it), the
+value is that pool's slots for the node's tokens: an insert hands them in
+(``InsertParams.swa_value``, valid from ``swa_from``), this component keeps the window before
+the insert's end (a node of its own), fills window-less nodes the tree already had from
+``swa_from`` on, says which slots it took (``InsertResult.swa_taken``), and tombstoning frees
+them.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
 
-from hyloop.cache.component_base import CacheComponent, ComponentHost
+from hyloop.cache.component_base import CacheComponent, ComponentHost, check_pages
 from hyloop.cache.lru import LRUList
 from hyloop.cache.node import FULL, SWA, TreeNode
+from hyloop.cache.params import InsertParams
 from hyloop.pools.page_allocator import PageAllocator
 
 # Run length standing for "no tombstone between the root and here".
 _FROM_ROOT = 1 << 62
+
+
+@dataclass
+class _Fill:
+    """One insert's window-pool slots: existing window-less nodes are filled from ``start``,
+    new nodes from ``keep`` (the window before the insert's ``end``)."""
+
+    value: torch.Tensor
+    start: int
+    keep: int
+    end: int
+    taken: list[tuple[int, int]] = field(default_factory=list)
 
 
 class SWAComponent(CacheComponent):
@@ -28,14 +48,25 @@ class SWAComponent(CacheComponent):
     kind = SWA
     name = "swa"
     priority = 1
+    evict_param = "swa_num_tokens"
+    evicted_field = "swa_num_tokens_evicted"
 
     def __init__(
-        self, cache: ComponentHost, window: int, allocator: PageAllocator | None = None
+        self,
+        cache: ComponentHost,
+        window: int,
+        allocator: PageAllocator | None = None,
+        page_size: int = 1,
     ) -> None:
         super().__init__(cache)
         if not isinstance(window, int) or window < 1:
             raise ValueError(f"sliding_window must be an int >= 1, got {window!r}")
+        if allocator is not None and allocator.page_size != page_size:
+            raise ValueError(
+                f"swa_allocator page_size {allocator.page_size} differs from {page_size}"
+            )
         self.window = window
+        self.page_size = page_size
         self.allocator = allocator  # the window layers' own pool, or None (shared slots)
         self.lru = LRUList()
 
@@ -91,16 +122,58 @@ class SWAComponent(CacheComponent):
         if self.allocator is None:  # own pool: a tombstone until the core fills it
             self._set(node, stamp)
 
-    def on_insert_overlap(self, node: TreeNode, stamp: int) -> None:
-        # The inserting request just computed these tokens, window layers included.
-        if self.allocator is None and node.component_data[SWA].value is None:
-            self._set(node, stamp)
+    # -- insert ---------------------------------------------------------------------------------
+    def begin_insert(self, params: InsertParams, aligned: int) -> _Fill | None:
+        if self.allocator is None or params.swa_value is None:
+            return None
+        if params.swa_value.dim() != 1 or len(params.swa_value) != len(params.key):
+            raise ValueError(
+                f"insert: swa_value must be a 1-D tensor with one index per token "
+                f"({len(params.key)}), got {tuple(params.swa_value.shape)}"
+            )
+        ps = self.page_size
+        start = min(aligned, -(-max(0, params.swa_from) // ps) * ps)
+        keep = max(start, (aligned - self.window) // ps * ps)
+        return _Fill(params.swa_value, start, min(aligned, keep), aligned)
 
-    def fill(self, node: TreeNode, value: torch.Tensor, stamp: int) -> None:
-        """Own pool: give tombstoned ``node`` the window pool's slots of its tokens."""
-        assert self.allocator is not None and node.component_data[SWA].value is None
-        assert value.numel() == node.length, (value.numel(), node.length)
-        self._set(node, stamp, value)
+    def overlap_cut(self, node: TreeNode, state: _Fill | None) -> int | None:
+        """Fill a window-less node from ``state.start``: the part before it stays as it is."""
+        windowless = state is not None and node.component_data[SWA].value is None
+        if windowless and node.start_depth < state.start < node.depth:
+            return state.start
+        return None
+
+    def on_insert_overlap(self, node: TreeNode, state: _Fill | None, stamp: int) -> None:
+        if node.component_data[SWA].value is not None:
+            return
+        if self.allocator is None:  # the inserting request just computed these, window included
+            self._set(node, stamp)
+        elif state is not None and node.start_depth >= state.start:
+            self._fill(node, state, stamp)
+
+    def new_leaf_cuts(self, start: int, end: int, state: _Fill | None) -> list[int]:
+        """The window before the insert's end gets a node of its own."""
+        return [state.keep] if state is not None and start < state.keep < end else []
+
+    def on_new_leaf(self, node: TreeNode, state: _Fill | None, stamp: int) -> None:
+        if state is not None and state.keep < state.end and node.start_depth >= state.keep:
+            self._fill(node, state, stamp)
+
+    def finish_insert(
+        self, node: TreeNode, state: _Fill | None, stamp: int, whole: bool
+    ) -> dict[str, Any]:
+        return {"swa_taken": tuple(state.taken)} if state is not None else {}
+
+    def _fill(self, node: TreeNode, state: _Fill, stamp: int) -> None:
+        """Own pool: give window-less ``node`` the pool's slots of its tokens."""
+        a, b = node.start_depth, node.depth
+        self._set(node, stamp, state.value[a:b].to(dtype=torch.int64, copy=True))
+        if state.taken and state.taken[-1][1] == a:
+            state.taken[-1] = (state.taken[-1][0], b)
+        else:
+            state.taken.append((a, b))
+
+    # -- structure ------------------------------------------------------------------------------
 
     def on_split(self, upper: TreeNode, lower: TreeNode) -> None:
         src = lower.component_data[SWA]
@@ -121,13 +194,17 @@ class SWAComponent(CacheComponent):
             return 0
         self.lru.remove(cd)
         if self.allocator is not None:
-            self.cache.queue_swa_free(cd.value)
+            self.cache.queue_free(SWA, cd.value)
         cd.value = None
         self.evictable -= node.length
         return node.length
 
     def on_delete(self, node: TreeNode) -> None:
         self.drop(node)
+
+    def free(self, items: list[torch.Tensor]) -> None:
+        assert self.allocator is not None
+        self.allocator.free(torch.cat(items))
 
     # -- locks ----------------------------------------------------------------------------------
     def lock(self, node: TreeNode) -> int:
@@ -145,6 +222,9 @@ class SWAComponent(CacheComponent):
             cd.lock_ref += 1
             start = n.start_depth
         return start
+
+    def receipt_fields(self, token: Any) -> dict[str, Any]:
+        return {"swa_start_depth": token}
 
     def unlock(self, node: TreeNode, token: object) -> None:
         assert isinstance(token, int)
@@ -164,21 +244,7 @@ class SWAComponent(CacheComponent):
 
     # -- eviction -------------------------------------------------------------------------------
     def evict(self, amount: int) -> int:
-        evicted = 0
-        cache = self.cache
-        for cd in self.lru.from_tail():
-            if evicted >= amount:
-                break
-            if cd.lock_ref:
-                continue
-            node = cd.node
-            if not node.children and node.component_data[FULL].lock_ref == 0:
-                # A leaf's priority is 0 for every component: the whole leaf goes.
-                evicted += node.length
-                cache.delete_leaf(node)
-            elif cache.tombstone(node, self):
-                evicted += node.length
-        return evicted
+        return self.evict_lru(self.lru, amount, lambda node: node.length)
 
     # -- checks ---------------------------------------------------------------------------------
     def check(self, nodes: list[TreeNode]) -> None:
@@ -211,3 +277,13 @@ class SWAComponent(CacheComponent):
                 f"swa: sizes (evictable, protected) = {(self.evictable, self.protected)}, "
                 f"recomputed {(evictable, protected)}"
             )
+
+    def check_ledger(self, nodes: list[TreeNode], held: dict[str, int]) -> None:
+        """A pool of its own: what the tree holds of it (the pool's ledger with the requests'
+        windows is ``pools.swa_pool.SWAWindows.check``)."""
+        if self.allocator is None:
+            return
+        values = [n.component_data[SWA].value for n in nodes]
+        tree = check_pages("swa", [v for v in values if v is not None], self.allocator)
+        if self.evictable + self.protected != tree:
+            raise AssertionError("swa ledger: evictable + protected != tokens held by the tree")

@@ -1,20 +1,18 @@
 """``check_invariants`` for the UHRC: a full recomputation, meant for tests and debug runs.
 
-Ledgers: free + pending-free + request-held + tree-held == capacity, for KV tokens and (with the
-RECURRENT component) for state slots. "Pending-free" is what was freed while a launched step may
-still read it; with the defaults (0) nothing is outside the tree: free + tree == capacity.
+Each component's ``check_ledger`` checks free + pending-free + request-held + tree-held ==
+capacity for what it holds (KV tokens, state slots). "Pending-free" was freed while a launched
+step may still read it; with the defaults (0), free + tree == capacity.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-
-from hyloop.cache.node import FULL, RECURRENT, SWA, TreeNode
+from hyloop.cache.node import TreeNode
 
 if TYPE_CHECKING:
-    from hyloop.cache.tree import UnifiedRadixCache
+    from hyloop.cache.tree import RadixTree as UnifiedRadixCache
 
 
 def _walk_nodes(cache: UnifiedRadixCache) -> list[TreeNode]:
@@ -59,83 +57,11 @@ def _check_locks(cache: UnifiedRadixCache, nodes: list[TreeNode]) -> None:
                 )
 
 
-def _check_kv_ledger(
-    cache: UnifiedRadixCache, nodes: list[TreeNode], request_held: int, pending_free: int
-) -> None:
-    alloc = cache.kv_allocator
-    values = [n.component_data[FULL].value for n in nodes]
-    held = torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
-    if held.numel() != torch.unique(held).numel():
-        raise AssertionError("kv ledger: a KV slot is held by two tree nodes")
-    ps = cache.page_size
-    pages = torch.unique(held // ps).numpy()
-    if len(pages) * ps != held.numel():
-        raise AssertionError("kv ledger: tree nodes hold partial pages")
-    both = pages[alloc.is_free_page(pages)]  # the free bitmap: no set of the whole free list
-    if len(both):
-        raise AssertionError(f"kv ledger: pages {both[:8].tolist()} are both free and in the tree")
-    total = alloc.available_size() + pending_free + request_held + held.numel()
-    if total != alloc.capacity:
-        raise AssertionError(
-            f"kv ledger: free {alloc.available_size()} + pending-free {pending_free} + "
-            f"request-held {request_held} + tree {held.numel()} = {total}, "
-            f"capacity {alloc.capacity}"
-        )
-    if cache.full.evictable + cache.full.protected != held.numel():
-        raise AssertionError("kv ledger: evictable + protected != tokens held by the tree")
-
-
-def _check_swa_pool(cache: UnifiedRadixCache, nodes: list[TreeNode]) -> None:
-    """SWA with a pool of its own: its slots held once, in whole pages, none of them free.
-    (The pool's ledger with the requests' windows is the engine's: ``SWAWindows.check``.)"""
-    swa = cache.swa
-    if swa is None or swa.allocator is None:
-        return
-    values = [n.component_data[SWA].value for n in nodes]
-    values = [v for v in values if v is not None]
-    held = torch.cat(values) if values else torch.empty(0, dtype=torch.int64)
-    if held.numel() != torch.unique(held).numel():
-        raise AssertionError("swa ledger: a window-pool slot is held by two tree nodes")
-    ps = cache.page_size
-    pages = torch.unique(held // ps).numpy()
-    if len(pages) * ps != held.numel():
-        raise AssertionError("swa ledger: tree nodes hold partial window-pool pages")
-    both = pages[swa.allocator.is_free_page(pages)]
-    if len(both):
-        raise AssertionError(f"swa ledger: pages {both[:8].tolist()} are free and in the tree")
-    if swa.evictable + swa.protected != held.numel():
-        raise AssertionError("swa ledger: evictable + protected != tokens held by the tree")
-
-
-def _check_slot_ledger(
-    cache: UnifiedRadixCache, nodes: list[TreeNode], request_held: int, pending_free: int
-) -> None:
-    rec = cache.recurrent
-    if rec is None:
-        return
-    alloc = rec.allocator
-    held = [n.component_data[RECURRENT].value for n in nodes]
-    held = [s for s in held if s is not None]
-    if len(set(held)) != len(held):
-        raise AssertionError("slot ledger: a snapshot slot is held by two nodes")
-    total = alloc.available_size() + pending_free + request_held + len(held)
-    if total != alloc.capacity:
-        raise AssertionError(
-            f"slot ledger: free {alloc.available_size()} + pending-free {pending_free} + "
-            f"request-held {request_held} + tree {len(held)} = {total}, "
-            f"capacity {alloc.capacity}"
-        )
-
-
-def check_cache(
-    cache: UnifiedRadixCache,
-    request_held_tokens: int = 0,
-    pending_free_tokens: int = 0,
-    request_held_slots: int = 0,
-    pending_free_slots: int = 0,
-) -> None:
+def check_cache(cache: UnifiedRadixCache, held: dict[str, int]) -> None:
+    """``held``: ``request_held_tokens``, ``pending_free_tokens``, ``request_held_slots`` and
+    ``pending_free_slots`` (what requests hold and what waits on a launched step)."""
     root = cache.root
-    if root.component_data[FULL].lock_ref != 1 or root.parent is not None:
+    if root.component_data[0].lock_ref != 1 or root.parent is not None:
         raise AssertionError("tree: the root must be parentless with lock_ref 1")
     nodes = _walk_nodes(cache)
     leaves = {n for n in nodes if not n.children}
@@ -146,8 +72,7 @@ def check_cache(
     for c in cache.components:
         c.check(nodes)
     _check_locks(cache, nodes)
-    _check_kv_ledger(cache, nodes, request_held_tokens, pending_free_tokens)
-    _check_swa_pool(cache, nodes)
-    _check_slot_ledger(cache, nodes, request_held_slots, pending_free_slots)
-    if cache._kv_to_free or cache._swa_to_free or cache._slots_to_free:
+    for c in cache.components:
+        c.check_ledger(nodes, held)
+    if any(cache._to_free.values()):
         raise AssertionError("tree: frees are queued outside an operation")

@@ -1,9 +1,8 @@
 """Radix keys and the page-aligned prefix compare the tree walks with.
 
-Token ids are packed once per key as little-endian int64 bytes (``RadixKey.packed``), and nodes
-keep their segment in the same form: comparing two segments is then one ``memcmp`` on bytes
-slices instead of a per-token Python loop (or a per-item tuple compare). Keys are 63-bit ints at
-most (token ids, or the row keys of multi-channel models), so int64 holds every key.
+Keys and node segments are packed as little-endian int64 bytes, so comparing segments is one
+bytes-slice ``memcmp`` instead of a per-token Python loop. Keys (token ids, or multi-channel
+models' row keys) are at most 63-bit, so int64 holds every key.
 """
 
 from __future__ import annotations
@@ -22,12 +21,9 @@ def pack_tokens(token_ids: Any, what: str = "token_ids") -> bytes:
     if isinstance(token_ids, torch.Tensor):
         if token_ids.dim() != 1:
             raise ValueError(f"{what} must be a 1-D tensor, got shape {tuple(token_ids.shape)}")
-        if (
-            token_ids.dtype.is_floating_point
-            or token_ids.dtype.is_complex
-            or (token_ids.dtype == torch.bool)
-        ):
-            raise ValueError(f"{what} must hold integer ids, got dtype {token_ids.dtype}")
+        dt = token_ids.dtype
+        if dt.is_floating_point or dt.is_complex or dt == torch.bool:
+            raise ValueError(f"{what} must hold integer ids, got dtype {dt}")
         return token_ids.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
     if isinstance(token_ids, (str, bytes, bytearray)) or not hasattr(token_ids, "__iter__"):
         raise TypeError(
@@ -41,11 +37,8 @@ def pack_tokens(token_ids: Any, what: str = "token_ids") -> bytes:
 
 
 class RadixKey:
-    """Token ids plus a namespace; keys with different ``extra_key`` never share a node.
-
-    ``extra_key`` is any hashable (tenant id, dp rank, adapter id, or a tuple of them).
-    ``token_ids`` may be a list, tuple, array or 1-D tensor of ints.
-    """
+    """Token ids plus a namespace: keys with different ``extra_key`` (any hashable: tenant id,
+    dp rank, adapter id, or a tuple of them) never share a node."""
 
     __slots__ = ("packed", "extra_key", "_len")
 
@@ -84,9 +77,9 @@ class RadixKey:
 def page_match_bytes(node_key: bytes, tokens: bytes, pos: int, page_bytes: int) -> int:
     """Bytes of the common prefix of ``node_key`` and ``tokens[pos:]``, rounded down to pages.
 
-    The caller found the node by its first page, so at least one page is known to match. The
-    common path (the whole node matches) is one slice compare; otherwise the divergence is found
-    by galloping over page counts and then bisecting, O(log n) memcmp-speed slice compares.
+    The caller found the node by its first page, so one page is known to match. A whole-node
+    match is one slice compare; otherwise gallop then bisect over page counts, so finding the
+    divergence takes O(log n) slice compares.
     """
     n = len(node_key)
     if tokens[pos : pos + n] == node_key:

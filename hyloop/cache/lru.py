@@ -1,8 +1,7 @@
 """Persistent LRU structures: an intrusive doubly linked list and a lazy leaf heap.
 
-Neither is rebuilt per eviction call (rebuilding a heap over every leaf on each evict is the
-known saturation hot spot of radix caches); both are updated incrementally as nodes are
-touched, locked, split and removed.
+Both are updated as nodes are touched, locked, split and removed, never rebuilt per eviction:
+rebuilding a heap over every leaf on each evict is the known hot spot of saturated radix caches.
 """
 
 from __future__ import annotations
@@ -14,9 +13,9 @@ from hyloop.cache.node import ComponentData, TreeNode
 
 
 class LRUList:
-    """Doubly linked list of one component's data slots, least recently used at the tail.
+    """Doubly linked list of one component's data slots.
 
-    NOTE: the list is ordered by ``last_access`` (head newest); ``check`` verifies it.
+    NOTE: ordered by ``last_access``, newest at the head; ``check`` verifies it.
     """
 
     def __init__(self) -> None:
@@ -96,10 +95,9 @@ class LRUList:
 class LeafHeap:
     """Lazy min-heap of ``(last_access, node_id, node)`` over evictable FULL leaves.
 
-    Entries are validated when popped (node alive, still a leaf, unlocked, stamp unchanged);
-    a touched leaf pushes a fresh entry instead of moving the old one. ``node.heap_stamp``
-    records the newest entry so a node is not pushed twice for the same stamp. The heap is
-    rebuilt only when stale entries outnumber live leaves by far.
+    A touched leaf pushes a fresh entry instead of moving the old one, so entries are validated
+    when popped. ``node.heap_stamp`` is the newest entry's stamp, so a node is not pushed twice
+    for one stamp. The heap is rebuilt only when stale entries far outnumber live leaves.
     """
 
     def __init__(self, stamp_of: Callable[[TreeNode], int]) -> None:

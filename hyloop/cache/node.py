@@ -21,10 +21,9 @@ _node_ids = itertools.count(1)
 class ComponentData:
     """One component's share of a node.
 
-    ``value`` is None for a tombstone (the component holds nothing here; the core skips it).
-    FULL/SWA values are int64 KV slot tensors aligned with the node's tokens; RECURRENT's is the
-    int snapshot slot holding the state after the node's last token. ``lru_prev``/``lru_next``
-    thread the component's intrusive LRU list; ``last_access`` is the LRU counter stamp.
+    ``value`` None is a tombstone (the component holds nothing here). FULL/SWA values are int64
+    KV slot tensors aligned with the node's tokens; RECURRENT's is the snapshot slot holding the
+    state after the node's last token. The ``lru_*`` fields thread the component's LRU list.
     """
 
     __slots__ = ("node", "value", "lock_ref", "last_access", "lru_prev", "lru_next", "in_lru")
@@ -40,12 +39,8 @@ class ComponentData:
 
 
 class TreeNode:
-    """A radix-tree node: ``key`` is the token segment from the parent to this node, packed as
-    int64 bytes (see ``hyloop.cache.key``); ``length`` is its number of tokens.
-
-    ``depth`` is the number of tokens from the root to the end of this node. ``child_key`` is
-    the key this node is filed under in ``parent.children``.
-    """
+    """A radix-tree node: ``key`` is the packed token segment from the parent, ``depth`` the
+    token count from the root to this node's end, ``child_key`` its key in ``parent.children``."""
 
     __slots__ = (
         "id",
@@ -70,8 +65,7 @@ class TreeNode:
         self.depth = depth
         self.component_data = [ComponentData(self) for _ in range(NUM_COMPONENTS)]
         self.alive = True
-        # Stamp of this node's newest entry in the FULL eviction heap, -1 when it has none.
-        self.heap_stamp = -1
+        self.heap_stamp = -1  # stamp of its newest FULL eviction-heap entry; -1: none
 
     @property
     def full_value(self) -> torch.Tensor:

@@ -1,9 +1,8 @@
 """Typed parameters and results of the UHRC operations.
 
-A lock is released only by handing back its receipt: ``inc_lock_ref`` returns an
-``IncLockRefResult`` and ``dec_lock_ref`` takes ``receipt.to_dec_params()``. The cache keeps the
-authoritative record of what each receipt locked, so a forged or replayed receipt cannot
-decrement someone else's lock.
+A lock is released only by handing back the receipt ``inc_lock_ref`` returned. The cache keeps
+its own record of what each receipt locked, so a forged or replayed receipt cannot decrement
+someone else's lock.
 """
 
 from __future__ import annotations
@@ -31,11 +30,11 @@ class MatchPrefixParams:
 class MatchResult:
     """The reusable prefix of a key.
 
-    ``prefix_len`` tokens are hit: every component can serve them. ``last_node`` is the node
-    that ends at ``prefix_len`` (lock this one); ``best_match_node`` is the deepest node where
-    every component hits, which without a host tier is the same node. ``full_prefix_len`` is how
-    far the FULL backbone alone matched (>= ``prefix_len``). ``recurrent_slot`` is the snapshot
-    to copy-on-write from when ``recurrent_hit``.
+    Every component can serve the ``prefix_len`` hit tokens. ``last_node`` ends at
+    ``prefix_len`` (lock this one); ``best_match_node`` is the deepest node where every component
+    hits (the same node without a host tier). ``full_prefix_len`` (>= ``prefix_len``) is how far
+    the FULL backbone alone matched. ``recurrent_slot``: the snapshot to copy-on-write from when
+    ``recurrent_hit``.
     """
 
     prefix_len: int
@@ -49,7 +48,7 @@ class MatchResult:
 
     @property
     def device_indices(self) -> torch.Tensor:
-        """KV slot indices of the hit prefix (int64, length ``prefix_len``); built on first use."""
+        """KV slot indices of the hit prefix (int64, ``prefix_len`` long), built on first use."""
         if self._indices is None:
             vals = self.node_values
             if not vals:
@@ -65,13 +64,11 @@ class MatchResult:
 class InsertParams:
     """Insert ``key`` with the KV slot indices ``value`` (one per token).
 
-    ``recurrent_slot``: a snapshot slot holding the recurrent state after the whole key; the tree
-    takes it only when the key length is a page multiple (see ``InsertResult``).
-
-    ``swa_value`` (SWA with a pool of its own): the window pool's slot of each token, valid from
-    ``swa_from`` (a page multiple; what the caller still holds). The tree keeps the window
-    before the key's end and fills any window-less node it already had from ``swa_from`` on;
-    ``InsertResult.swa_taken`` says which slots it took.
+    ``recurrent_slot``: the snapshot of the state after the whole key; the tree takes it only
+    when the key length is a page multiple. ``swa_value`` (SWA with a pool of its own): each
+    token's window-pool slot, valid from ``swa_from`` (a page multiple: what the caller still
+    holds). The tree keeps the window before the key's end and fills window-less nodes it already
+    had from ``swa_from`` on; ``InsertResult.swa_taken`` says which slots it took.
     """
 
     key: RadixKey
@@ -85,12 +82,10 @@ class InsertParams:
 class InsertResult:
     """What the tree did with an insert.
 
-    The tree already held ``value[:prefix_len]`` and freed the caller's copies of those slots
-    (those that differ from the tree's own); it owns ``value[prefix_len:aligned_len]``; the
-    unaligned tail ``value[aligned_len:]`` stays with the caller. ``last_node`` ends at
-    ``aligned_len``: move the request's lock there. ``recurrent_taken``: the tree took the slot
-    (stored, or freed as a duplicate when ``recurrent_stored`` is False); otherwise it stays with
-    the caller.
+    The tree already held ``value[:prefix_len]`` and freed the caller's differing copies; it owns
+    ``value[prefix_len:aligned_len]``; the unaligned tail stays with the caller. ``last_node``
+    ends at ``aligned_len``: move the request's lock there. ``recurrent_taken``: the tree took the
+    slot (stored, or freed as a duplicate when not ``recurrent_stored``); else the caller keeps it.
     """
 
     prefix_len: int
@@ -127,11 +122,9 @@ class DecLockRefParams:
 
 @dataclass(frozen=True, slots=True)
 class IncLockRefResult:
-    """A lock receipt. ``delta``: FULL tokens moved from evictable to protected.
-
-    ``swa_start_depth`` is the token depth where the SWA window lock stops (None without SWA);
-    ``recurrent_locked`` says whether the node's snapshot was pinned.
-    """
+    """A lock receipt. ``delta``: FULL tokens moved from evictable to protected;
+    ``swa_start_depth``: the depth where the SWA window lock stops (None without SWA);
+    ``recurrent_locked``: whether the node's snapshot was pinned."""
 
     receipt_id: int
     node: TreeNode

@@ -1,47 +1,25 @@
-"""The Unified Hybrid Radix Cache (UHRC) tree core.
+"""The UHRC tree core: one radix tree over token keys, shared by the cache components.
 
-One radix tree over token keys, shared by the cache components (FULL KV, sliding-window KV,
-recurrent snapshots). The core owns the tree shape and the FULL KV indices; components decide
-where they hit, what a lock pins, what a match refreshes and how they evict. With
-``page_size > 1`` keys are matched and split at page multiples.
-
-A request's lifecycle, as the engine drives it::
-
-    m = cache.match_prefix(MatchPrefixParams(key=RadixKey(prompt, extra_key=tenant)))
-    lock = cache.inc_lock_ref(m.last_node)      # pins m.device_indices (prefix_len tokens)
-    # page table [0:m.prefix_len] = m.device_indices; with RECURRENT, copy m.recurrent_slot
-    # into the request's own state slot when m.recurrent_hit.
-    # As chunked prefill completes pages (and at the end), insert what the request holds:
-    r = cache.insert(InsertParams(key=RadixKey(tokens, tenant), value=page_table[: len(tokens)]))
-    # The tree freed the request's duplicates of value[:r.prefix_len]; it now owns
-    # value[:r.aligned_len]. Re-read the tree's indices and move the lock:
-    m2 = cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens, tenant), full_only=True))
-    # page table [0:m2.prefix_len] = m2.device_indices
-    new_lock = cache.inc_lock_ref(r.last_node)
-    cache.dec_lock_ref(lock.to_dec_params())
-    # At the end: release the lock; the request frees only its unaligned tail
-    # value[r.aligned_len:] (and its state slot, unless it was handed over as recurrent_slot).
-    cache.dec_lock_ref(new_lock.to_dec_params())
-
-When the allocator is short the engine calls ``evict(EvictParams(num_tokens=...))``; admission
-budgets with ``evictable_size()``. ``peek_prefix_len`` probes without side effects (routing).
+The core owns the tree shape and the FULL KV indices and names no other component: where a
+component hits, what its locks pin, how an insert splits and fills its data and how it evicts
+are its hooks (``component_base``); frees are queued per component and handed back to each.
+With ``page_size > 1`` keys are matched and split at page multiples. ``lease.RequestCache``
+drives it for requests; ``peek_prefix_len`` probes without side effects (routing).
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable
+from collections import defaultdict
+from collections.abc import Callable
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 
 from hyloop.cache.component_base import CacheComponent
 from hyloop.cache.component_full import FullComponent
-from hyloop.cache.component_recurrent import RecurrentComponent
-from hyloop.cache.component_swa import SWAComponent
 from hyloop.cache.key import TOKEN_BYTES, RadixKey, page_match_bytes
-from hyloop.cache.node import FULL, RECURRENT, SWA, TreeNode
+from hyloop.cache.node import FULL, TreeNode
 from hyloop.cache.params import (
     DecLockRefParams,
     DecLockRefResult,
@@ -54,47 +32,21 @@ from hyloop.cache.params import (
     MatchResult,
 )
 from hyloop.pools.page_allocator import PageAllocator
-from hyloop.pools.slot_allocator import SlotAllocator
-
-_ALLOWED = ({"full"}, {"full", "swa"}, {"full", "recurrent"})
 
 
-class UnifiedRadixCache:
-    """Radix tree of token keys -> KV slot indices (plus SWA and recurrent data).
-
-    ``components``: ``("full",)``, ``("full", "swa")`` (needs ``sliding_window``) or
-    ``("full", "recurrent")`` (needs ``recurrent_allocator``). Implements ``PrefixCache`` for
-    the engine and ``ComponentHost`` for its components.
-    """
+class RadixTree:
+    """Token keys -> KV slot indices, plus what the auxiliary components keep: a
+    ``PrefixCache`` for callers, a ``ComponentHost`` for components (``UnifiedRadixCache``
+    builds it from component names)."""
 
     reuses_prefixes: ClassVar[bool] = True
 
     def __init__(
-        self,
-        kv_allocator: PageAllocator,
-        page_size: int = 1,
-        components: Iterable[str] = ("full",),
-        sliding_window: int | None = None,
-        recurrent_allocator: SlotAllocator | None = None,
-        swa_allocator: PageAllocator | None = None,
+        self, kv_allocator: PageAllocator, page_size: int, aux: list[CacheComponent]
     ) -> None:
-        names = tuple(components)
-        if set(names) not in _ALLOWED or len(set(names)) != len(names):
-            raise ValueError(
-                f"components must be one of ('full',), ('full', 'swa'), ('full', 'recurrent'); "
-                f"got {names!r}"
-            )
-        if not isinstance(page_size, int) or page_size < 1:
-            raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
-        alloc_ps = getattr(kv_allocator, "page_size", page_size)
-        if alloc_ps != page_size:
-            raise ValueError(
-                f"page_size {page_size} differs from the kv_allocator's page_size {alloc_ps}"
-            )
         self.kv_allocator = kv_allocator
         self.page_size = page_size
         self._page_bytes = page_size * TOKEN_BYTES
-        self.component_names = names
         self.root = TreeNode(b"", None, None, 0)
         self.root.component_data[FULL].value = torch.empty(0, dtype=torch.int64)
         self.root.component_data[FULL].lock_ref = 1  # the root is never evicted
@@ -103,39 +55,17 @@ class UnifiedRadixCache:
         self._receipt_ids = itertools.count(1)
         # receipt id -> (receipt, what each component's lock returned, by component kind)
         self._receipts: dict[int, tuple[IncLockRefResult, dict[int, Any]]] = {}
-        self._kv_to_free: list[torch.Tensor] = []
-        self._swa_to_free: list[torch.Tensor] = []
-        self._slots_to_free: list[int] = []
+        self._to_free: dict[int, list[Any]] = defaultdict(list)
         # Told of every node the tree removes (e.g. the position-independent donor index).
         self.delete_listeners: list[Callable[[TreeNode], None]] = []
+        self.full = FullComponent(self, kv_allocator)
+        for c in aux:
+            c.cache = self
+        self.aux = aux
+        self.components: list[CacheComponent] = [self.full, *aux]
+        self._by_kind = {c.kind: c for c in self.components}
+        self.component_names = tuple(c.name for c in self.components)
 
-        self.full = FullComponent(self)
-        self.swa: SWAComponent | None = None
-        self.recurrent: RecurrentComponent | None = None
-        if "swa" in names:
-            if sliding_window is None:
-                raise ValueError("components ('full', 'swa') need sliding_window=<tokens>")
-            if swa_allocator is not None and swa_allocator.page_size != page_size:
-                raise ValueError(
-                    f"swa_allocator page_size {swa_allocator.page_size} differs from {page_size}"
-                )
-            self.swa = SWAComponent(self, sliding_window, swa_allocator)
-        elif sliding_window is not None or swa_allocator is not None:
-            raise ValueError(
-                f"sliding_window={sliding_window} / swa_allocator given without the 'swa' component"
-            )
-        if "recurrent" in names:
-            if recurrent_allocator is None:
-                raise ValueError(
-                    "components ('full', 'recurrent') need recurrent_allocator=<SlotAllocator>"
-                )
-            self.recurrent = RecurrentComponent(self, recurrent_allocator)
-        elif recurrent_allocator is not None:
-            raise ValueError("recurrent_allocator given without the 'recurrent' component")
-        self.aux: list[CacheComponent] = [c for c in (self.swa, self.recurrent) if c is not None]
-        self.components: list[CacheComponent] = [self.full, *self.aux]
-
-    # -- helpers --------------------------------------------------------------------------------
     def _tick(self) -> int:
         self._stamp += 1
         return self._stamp
@@ -212,43 +142,11 @@ class UnifiedRadixCache:
         self.full.note_leaf(node)
         return node
 
-    def _free_duplicates(
-        self, value: torch.Tensor, overlap: list[torch.Tensor], prefix_len: int
-    ) -> int:
-        """Queue the caller's copies of ``value[:prefix_len]`` that differ from the tree's.
-
-        NOTE: slots the caller got from the tree (an earlier match) equal the tree's own and are
-        kept; only true duplicates are freed. numpy compares here because these small ops are
-        several times cheaper than their torch equivalents on the host.
-        """
-        mine = value[:prefix_len]
-        mine_np = mine.numpy() if mine.device.type == "cpu" else mine.cpu().numpy()
-        tree_np = [t.numpy() for t in overlap]
-        same = np.equal(mine_np, tree_np[0] if len(tree_np) == 1 else np.concatenate(tree_np))
-        if not same.any():
-            self._kv_to_free.append(mine)
-            return prefix_len
-        if same.all():
-            return 0
-        dup = mine[torch.from_numpy(~same)]
-        self._kv_to_free.append(dup)
-        return dup.numel()
-
     def _flush_frees(self) -> None:
-        if self._kv_to_free:
-            vals = self._kv_to_free
-            self._kv_to_free = []
-            self.kv_allocator.free(vals[0] if len(vals) == 1 else torch.cat(vals))
-        if self._swa_to_free:
-            vals = self._swa_to_free
-            self._swa_to_free = []
-            assert self.swa is not None and self.swa.allocator is not None
-            self.swa.allocator.free(torch.cat(vals))
-        if self._slots_to_free:
-            slots = self._slots_to_free
-            self._slots_to_free = []
-            assert self.recurrent is not None
-            self.recurrent.allocator.free(slots)
+        queued, self._to_free = self._to_free, defaultdict(list)
+        for kind, items in queued.items():
+            if items:
+                self._by_kind[kind].free(items)
 
     # -- component surface (ComponentHost) ------------------------------------------------------
     def delete_leaf(self, node: TreeNode) -> None:
@@ -276,43 +174,30 @@ class UnifiedRadixCache:
             c.drop(node)
         return True
 
-    def queue_kv_free(self, indices: torch.Tensor) -> None:
-        self._kv_to_free.append(indices)
-
-    def queue_swa_free(self, indices: torch.Tensor) -> None:
-        self._swa_to_free.append(indices)
-
-    def queue_slot_free(self, slot: int) -> None:
-        self._slots_to_free.append(slot)
+    def queue_free(self, kind: int, items: Any) -> None:
+        self._to_free[kind].append(items)
 
     # -- match ----------------------------------------------------------------------------------
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
-        """Longest prefix of ``params.key`` that every component can serve.
-
-        Splits the node the hit ends in (at a page multiple) and refreshes each component's LRU.
-        """
+        """Longest prefix of ``params.key`` every component can serve; splits the node the hit
+        ends in (at a page multiple) and refreshes each component's LRU."""
         path, partial = self._walk(params.key)
         full_len = path[-1].start_depth + partial if partial else (path[-1].depth if path else 0)
         i, m = self._select_hit(path, partial, params.full_only)
-        if m:
-            node = self._split(path[i], m)
-            nodes = path[:i]
-            nodes.append(node)
-        else:
-            nodes = path[:i]
-            node = nodes[-1] if nodes else self.root
+        nodes = path[:i] + ([self._split(path[i], m)] if m else [])
+        node = nodes[-1] if nodes else self.root
         stamp = self._tick()
+        fields: dict[str, Any] = {}
         for c in self.components:
             c.on_match(node, stamp)
-        slot = node.component_data[RECURRENT].value if self.recurrent is not None else None
+            fields.update(c.match_fields(node))
         return MatchResult(
             prefix_len=node.depth,
             last_node=node,
             best_match_node=node,
             full_prefix_len=full_len,
-            recurrent_hit=slot is not None,
-            recurrent_slot=slot,
             node_values=[n.component_data[FULL].value for n in nodes],
+            **fields,
         )
 
     def peek_prefix_len(self, key: RadixKey) -> int:
@@ -339,12 +224,10 @@ class UnifiedRadixCache:
         n = ntok - ntok % self.page_size
         nb = n * TOKEN_BYTES
         stamp = self._tick()
+        aux = [(c, c.begin_insert(params, n)) for c in self.aux]
         node = self.root
         pos = 0  # bytes
         overlap: list[torch.Tensor] = []
-        aux = self.aux
-        swa_from, swa_keep = self._swa_range(params, n)
-        taken: list[tuple[int, int]] = []
         while pos < nb:
             ck = tokens[pos : pos + pb]
             child = node.children.get((key.extra_key, ck) if node is self.root else ck)
@@ -353,81 +236,37 @@ class UnifiedRadixCache:
             m = page_match_bytes(child.key, tokens, pos, pb)
             if m < len(child.key):
                 child = self._split(child, m // TOKEN_BYTES)
-            window_less = child.component_data[SWA].value is None
-            if window_less and child.start_depth < swa_from < child.depth:
-                child = self._split(child, swa_from - child.start_depth)  # fill from swa_from
+            for c, state in aux:
+                cut = c.overlap_cut(child, state)
+                if cut is not None:
+                    child = self._split(child, cut - child.start_depth)
             child.component_data[FULL].last_access = stamp
-            for c in aux:
-                c.on_insert_overlap(child, stamp)
-            if window_less and child.start_depth >= swa_from:
-                self._fill_swa(child, params, taken, stamp)
+            for c, state in aux:
+                c.on_insert_overlap(child, state, stamp)
             overlap.append(child.component_data[FULL].value)
             pos += len(child.key)
             node = child
         prefix_len = pos // TOKEN_BYTES
         if pos < nb:
+            cuts = sorted({d for c, state in aux for d in c.new_leaf_cuts(prefix_len, n, state)})
             start = prefix_len
-            if prefix_len < swa_keep < n:  # the window before the end gets a node of its own
-                own = value[prefix_len:swa_keep].to(dtype=torch.int64, copy=True)
-                cut = swa_keep * TOKEN_BYTES
-                node = self._add_leaf(node, key.extra_key, tokens[pos:cut], own, stamp)
-                start = swa_keep
-            own = value[start:n].to(dtype=torch.int64, copy=True)
-            node = self._add_leaf(node, key.extra_key, tokens[start * TOKEN_BYTES : nb], own, stamp)
-            if swa_keep < n:
-                self._fill_swa(node, params, taken, stamp)
+            for end in [*cuts, n]:
+                own = value[start:end].to(dtype=torch.int64, copy=True)
+                segment = tokens[start * TOKEN_BYTES : end * TOKEN_BYTES]
+                node = self._add_leaf(node, key.extra_key, segment, own, stamp)
+                for c, state in aux:
+                    c.on_new_leaf(node, state, stamp)
+                start = end
         else:
             self.full.note_leaf(node)
-        num_freed = self._free_duplicates(value, overlap, prefix_len) if prefix_len else 0
-        swa_taken = taken
-        taken = stored = False
-        if params.recurrent_slot is not None:
-            if self.recurrent is None:
-                raise ValueError(
-                    f"insert: recurrent_slot={params.recurrent_slot} given but the cache has "
-                    f"components {self.component_names}"
-                )
-            if n == ntok and n > 0:
-                stored = self.recurrent.attach(node, int(params.recurrent_slot), stamp)
-                taken = True
+        num_freed = self.full.free_duplicates(value, overlap, prefix_len) if prefix_len else 0
+        fields: dict[str, Any] = {}
+        for c, state in aux:
+            fields.update(c.finish_insert(node, state, stamp, n == ntok and n > 0))
         self._flush_frees()
         return InsertResult(
-            prefix_len=prefix_len,
-            aligned_len=n,
-            last_node=node,
-            num_freed=num_freed,
-            recurrent_taken=taken,
-            recurrent_stored=stored,
-            swa_taken=tuple(swa_taken),
+            prefix_len=prefix_len, aligned_len=n, last_node=node, num_freed=num_freed, **fields
         )
-
-    def _swa_range(self, params: InsertParams, n: int) -> tuple[int, int]:
-        """``(swa_from, swa_keep)`` of an insert of ``n`` aligned tokens: window-less nodes the
-        tree has are filled from ``swa_from``; new nodes keep window data from ``swa_keep``
-        (the window before the end). ``(n, n)`` when nothing is handed in."""
-        swa = self.swa
-        if swa is None or swa.allocator is None or params.swa_value is None:
-            return n, n
-        if params.swa_value.dim() != 1 or len(params.swa_value) != len(params.key):
-            raise ValueError(
-                f"insert: swa_value must be a 1-D tensor with one index per token "
-                f"({len(params.key)}), got {tuple(params.swa_value.shape)}"
-            )
-        ps = self.page_size
-        swa_from = min(n, -(-max(0, params.swa_from) // ps) * ps)
-        keep = max(swa_from, (n - swa.window) // ps * ps)
-        return swa_from, min(n, keep)
-
-    def _fill_swa(
-        self, node: TreeNode, params: InsertParams, taken: list[tuple[int, int]], stamp: int
-    ) -> None:
-        assert self.swa is not None and params.swa_value is not None
-        a, b = node.start_depth, node.depth
-        self.swa.fill(node, params.swa_value[a:b].to(dtype=torch.int64, copy=True), stamp)
-        if taken and taken[-1][1] == a:
-            taken[-1] = (taken[-1][0], b)
-        else:
-            taken.append((a, b))
 
     # -- locks ----------------------------------------------------------------------------------
     def inc_lock_ref(self, node: TreeNode) -> IncLockRefResult:
@@ -435,14 +274,11 @@ class UnifiedRadixCache:
         if not isinstance(node, TreeNode) or not node.alive:
             raise ValueError(f"inc_lock_ref: {node!r} is not a live node of this tree")
         tokens = {c.kind: c.lock(node) for c in self.components}
+        fields: dict[str, Any] = {}
+        for c in self.aux:
+            fields.update(c.receipt_fields(tokens[c.kind]))
         rid = next(self._receipt_ids)
-        receipt = IncLockRefResult(
-            receipt_id=rid,
-            node=node,
-            delta=tokens[FULL],
-            swa_start_depth=tokens.get(SWA),
-            recurrent_locked=bool(tokens.get(RECURRENT, False)),
-        )
+        receipt = IncLockRefResult(receipt_id=rid, node=node, delta=tokens[FULL], **fields)
         self._receipts[rid] = (receipt, tokens)
         return receipt
 
@@ -474,54 +310,16 @@ class UnifiedRadixCache:
 
     # -- eviction -------------------------------------------------------------------------------
     def evict(self, params: EvictParams) -> EvictResult:
-        """Cascade RECURRENT -> SWA -> FULL, each in its LRU order; locked data stays."""
+        """Cascade from low to high priority (snapshots, window KV, FULL), each in its LRU
+        order; locked data stays."""
         before = [c.evictable + c.protected for c in self.components]
-        if params.recurrent_num > 0 and self.recurrent is not None:
-            self.recurrent.evict(params.recurrent_num)
-        if params.swa_num_tokens > 0 and self.swa is not None:
-            self.swa.evict(params.swa_num_tokens)
-        if params.num_tokens > 0:
-            self.full.evict(params.num_tokens)
+        for c in sorted(self.components, key=lambda c: c.priority):
+            amount = getattr(params, c.evict_param)
+            if amount > 0:
+                c.evict(amount)
         self._flush_frees()
         gone = {
-            c.kind: b - c.evictable - c.protected
+            c.evicted_field: b - c.evictable - c.protected
             for c, b in zip(self.components, before, strict=True)
         }
-        return EvictResult(
-            num_tokens_evicted=gone[FULL],
-            swa_num_tokens_evicted=gone.get(SWA, 0),
-            recurrent_num_evicted=gone.get(RECURRENT, 0),
-        )
-
-    # -- sizes ----------------------------------------------------------------------------------
-    def _component(self, name: str) -> CacheComponent:
-        for c in self.components:
-            if c.name == name:
-                return c
-        raise ValueError(f"component {name!r} is not in this cache's {self.component_names}")
-
-    def evictable_size(self, component: str = "full") -> int:
-        """Unlocked tokens (snapshots for 'recurrent') the tree could evict."""
-        return self._component(component).evictable
-
-    def protected_size(self, component: str = "full") -> int:
-        """Locked tokens (snapshots for 'recurrent')."""
-        return self._component(component).protected
-
-    def total_size(self, component: str = "full") -> int:
-        c = self._component(component)
-        return c.evictable + c.protected
-
-    def check_invariants(
-        self,
-        request_held_tokens: int = 0,
-        pending_free_tokens: int = 0,
-        request_held_slots: int = 0,
-        pending_free_slots: int = 0,
-    ) -> None:
-        """Raise AssertionError unless the tree and its ledgers are consistent (see invariants)."""
-        from hyloop.cache.invariants import check_cache
-
-        check_cache(
-            self, request_held_tokens, pending_free_tokens, request_held_slots, pending_free_slots
-        )
+        return EvictResult(**gone)

@@ -38,7 +38,7 @@ class ModelSection(_Section):
         None, ge=2, description="longest prompt + output served; default min(model limit, 8192)"
     )
     cpu_packed_linear: bool = Field(
-        True, description="CPU: pre-pack Linear weights for oneDNN once (2x faster GEMMs)"
+        True, description="CPU: pre-pack Linear weights for oneDNN once (no re-pack per call)"
     )
     cpu_kernels: Literal["measure", "packed"] = Field(
         "measure",
@@ -49,7 +49,7 @@ class ModelSection(_Section):
         "auto",
         description="CPU: hyloop's C++ kernels (decode attention over the paged pool, a "
         "sampler's top-k, the packed GEMM called from compiled steps), kept under "
-        "$HYLOOP_CACHE_DIR/cpu_ops: true builds them now if needed (~9 s, once per machine); "
+        "$HYLOOP_CACHE_DIR/cpu_ops: true builds them now if needed (once per machine); "
         "auto uses them when built and otherwise builds them in the background for later "
         "runs; false: plain torch ops",
     )
@@ -122,7 +122,7 @@ class GraphsSection(_Section):
         "auto",
         description=(
             "how the decode step runs; auto: cuda_graph on CUDA, compile on CPU, for the "
-            "buckets a job pays for (planned at its first decode step), eager for the rest"
+            "buckets a job pays for (planned when the engine goes busy), eager for the rest"
         ),
     )
     buckets: list[int] = Field(

@@ -1,8 +1,10 @@
 """The engine: requests in, a loop over the step pipeline, outputs out.
 
-``Engine`` keeps the requests (``RequestLifecycle``), admission and outputs and drives one of two
-loops over one ``StepPipeline``: ``SyncLoop`` or ``OverlapLoop`` (lookahead). The loops see only
-the pipeline and the recorder; the engine sees only their public surface (``step``, ``busy``).
+``Engine`` holds what assembly built (``framework.assembly.build_engine``): the step kind, the
+graphs, the scheduler behind the step pipeline, and drives one of two loops over it
+(``loops.SyncLoop`` or ``loops.OverlapLoop``, lookahead). When it goes from idle to busy it
+tells the graphs a job starts (``graphs.backend=auto`` plans its captures then), and when it
+runs dry that the job is done.
 
 Threads: ``add_request`` and ``abort_request`` may be called from any thread. A call made while
 ``step()`` runs is queued and applied at the step's end, the next step boundary, exactly as if it
@@ -15,76 +17,62 @@ import logging
 import random
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hyloop.framework.assembly import EngineParts
-from hyloop.framework.device_clock import DeviceClock
-from hyloop.framework.lifecycle import RequestLifecycle
-from hyloop.framework.overlap_loop import OverlapLoop
+from hyloop.cache.lease import RequestCache
+from hyloop.framework.config import EngineConfig
+from hyloop.framework.loops import OverlapLoop, SyncLoop
 from hyloop.framework.pipeline import StepPipeline
-from hyloop.framework.prompts import row_prompt, token_prompt
-from hyloop.framework.recorder import StepRecorder
-from hyloop.framework.request import Request, RequestOutput
-from hyloop.framework.request_memory import RequestMemory
+from hyloop.framework.requests import Request, RequestOutput, row_prompt, token_prompt
 from hyloop.framework.sampling_params import SamplingParams
-from hyloop.framework.swa_windows import SWAWindows
-from hyloop.framework.sync_loop import SyncLoop
+from hyloop.framework.scheduler import Scheduler
+from hyloop.framework.stats import StepRecorder
+from hyloop.framework.step_kinds import StepKind
+from hyloop.graphs.capture import Graphs
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from hyloop.framework.assembly import Derived
 
 log = logging.getLogger(__name__)
 
 
 class Engine:
-    """vLLM-shaped engine: ``add_request`` / ``abort_request`` / ``step`` / ``check_invariants``.
+    """vLLM-shaped engine: ``add_request`` / ``abort_request`` / ``step`` / ``check_invariants``."""
 
-    Built from ``framework.assembly.build_parts``; it owns the request lifecycle, the step
-    pipeline and its loops.
-    """
-
-    def __init__(self, parts: EngineParts) -> None:
-        self.parts = parts
-        self.cfg = parts.config
-        self.runner = parts.runner
-        self.cache = parts.cache
-        self.kv_alloc = parts.kv_pool.allocator
-        self.tokenizer = parts.tokenizer
-        self.vocab_size = parts.vocab_size
-        self.max_context = parts.max_context
-        self.eos_ids: frozenset[int] = frozenset(parts.eos_token_ids)
-        self._rng = random.Random(self.cfg.seed)
-        swa_pool = parts.kv_pool.swa
-        self.swa_windows = None
-        if swa_pool is not None and parts.swa_window is not None:
-            chunk = self.cfg.scheduler.prefill_chunk
-            self.swa_windows = SWAWindows(swa_pool, parts.swa_window, chunk)
-        memory = RequestMemory(
-            parts.cache,
-            self.kv_alloc,
-            parts.req_to_token,
-            parts.recurrent_pool,
-            self.max_context,
-            parts.track_interval,
-            parts.pi_reuse,
-            self.swa_windows,
-        )
-        self.requests = RequestLifecycle(
-            memory, self.cfg.scheduler, parts.max_running, parts.fence, parts.tokenizer
-        )
-        self.recorder = StepRecorder(DeviceClock(self.runner.device), self.runner.capture_seconds)
-        self.pipeline = StepPipeline(
-            self.runner,
-            self.requests,
-            parts.fence,
-            self.recorder,
-            self.kv_alloc,
-            parts.recurrent_pool,
-        )
-        self._sync = SyncLoop(self.pipeline, self.recorder)
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        derived: Derived,
+        model: nn.Module,
+        tokenizer: Any,
+        kind: StepKind,
+        graphs: Graphs,
+        pipeline: StepPipeline,
+        recorder: StepRecorder,
+    ) -> None:
+        self.cfg = cfg
+        self.derived = derived
+        self.model = model
+        self.tokenizer = tokenizer
+        self.kind = kind
+        self.graphs = graphs
+        self.pipeline = pipeline
+        self.scheduler: Scheduler = pipeline.scheduler
+        self.recorder = recorder
+        self.vocab_size = derived.vocab_size
+        self.max_context = derived.max_context
+        self.eos_ids: frozenset[int] = frozenset(derived.eos_token_ids)
+        self._rng = random.Random(cfg.seed)
+        self._sync = SyncLoop(pipeline, recorder)
         self._overlap: OverlapLoop | None = None
         self._loop: SyncLoop | OverlapLoop = self._sync
-        if self.cfg.lookahead.enabled_on(self.runner.device):
+        if cfg.lookahead.enabled_on(kind.device):
             self._loop = self._overlap_loop()
         self.finished = 0
         self.aborted = 0
+        self._idle = True  # no job running: the next step starts one
         self._closed = False
         self._lock = threading.Lock()
         self._in_step = False
@@ -102,7 +90,7 @@ class Engine:
         """Queue a request. Errors name the request; a bad one never reaches the engine."""
         req = self._new_request(request_id, prompt, sampling_params)
         with self._lock:
-            live = request_id in self.requests and request_id not in self._queued_aborts
+            live = request_id in self.scheduler and request_id not in self._queued_aborts
             if live or request_id in self._queued_ids:
                 raise ValueError(f"request {request_id!r}: id already in use")
             # Drawn only once the request is accepted, so a refused one leaves the seed
@@ -111,9 +99,9 @@ class Engine:
             req.seed32 = seed & 0xFFFFFFFF
             if self._in_step:
                 self._queued_ids.add(request_id)
-                self._queued.append(lambda: self.requests.add(req))
+                self._queued.append(lambda: self.scheduler.add(req))
             else:
-                self.requests.add(req)
+                self.scheduler.add(req)
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request (unknown or finished: a no-op); what it holds is freed once no
@@ -122,9 +110,9 @@ class Engine:
             if self._in_step:
                 self._queued_aborts.add(request_id)
                 self._queued_ids.discard(request_id)  # an add queued before it is aborted too
-                self._queued.append(lambda: self.requests.abort(request_id))
+                self._queued.append(lambda: self.scheduler.abort(request_id))
             else:
-                self.requests.abort(request_id)
+                self.scheduler.abort(request_id)
 
     def default_params(self) -> SamplingParams:
         d = self.cfg.sampling_defaults
@@ -141,23 +129,19 @@ class Engine:
     ) -> Request:
         params = sampling_params or self.default_params()
         params.validate(f"request {request_id!r} sampling_params")
-        parts, rows = self.parts, None
-        if parts.row_channels:
+        d, rows = self.derived, None
+        if d.row_channels:
             rows, ids = row_prompt(
-                request_id,
-                prompt,
-                params,
-                parts.channel_vocab_sizes,
-                self.max_context,
-                parts.end_id,
+                request_id, prompt, params, list(d.channel_vocab_sizes), self.max_context, d.end_id
             )
         else:
             ids = self.validate_prompt(request_id, prompt)
         max_new = min(params.max_tokens, self.max_context - len(ids))
-        if self.kv_alloc.pages_for(len(ids) + max_new) > self.kv_alloc.num_pages - 1:
+        kv = self.scheduler.cache.kv
+        if kv.pages_for(len(ids) + max_new) > kv.num_pages - 1:
             raise ValueError(
                 f"request {request_id!r}: needs {len(ids) + max_new} KV tokens but the pool holds "
-                f"{self.kv_alloc.capacity}; raise kv_pool.num_pages or lower max_tokens"
+                f"{kv.capacity}; raise kv_pool.num_pages or lower max_tokens"
             )
         stop = set(params.stop_token_ids or [])
         if not params.ignore_eos:
@@ -170,7 +154,7 @@ class Engine:
             max_new=max_new,
             stop_ids=frozenset(stop),
             logprobs=[] if params.logprobs is not None else None,
-            logits=[] if self.requests.capture_logits else None,
+            logits=[] if self.pipeline.capture_logits else None,
             prompt_rows=rows,
             output_rows=[] if rows is not None else None,
         )
@@ -178,7 +162,7 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         with self._lock:
             queued = bool(self._queued)
-        return queued or self.requests.has_work() or self._loop.busy
+        return queued or self.scheduler.has_work() or self._loop.busy
 
     # -- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -188,9 +172,11 @@ class Engine:
                 raise RuntimeError("Engine.step: already running on another thread")
             self._in_step = True
         try:
-            outputs = self.requests.take_outputs()
+            if self._idle and self.scheduler.waiting:
+                self._start_job()
+            outputs = self.scheduler.take_outputs()
             outputs += self._loop.step()
-            outputs += self.requests.take_outputs()
+            outputs += self.scheduler.take_outputs()
         finally:
             with self._lock:
                 self._in_step = False
@@ -206,19 +192,28 @@ class Engine:
             if out.finished:
                 self.finished += 1
                 self.aborted += out.finish_reason == "abort"
-        if not self.has_unfinished_requests():
+        if not self.has_unfinished_requests() and not self._idle:
+            self._idle = True
             self.recorder.pause()  # waiting for new requests is no host time of this loop
-            self.runner.job_done()  # auto plans the next job afresh
+            self.graphs.job_done()
         return outputs
+
+    def _start_job(self) -> None:
+        """The engine goes from idle to busy: the graphs plan for what is queued."""
+        self._idle = False
+        sched = self.scheduler
+        first = [*sched.running, *sched.waiting][: sched.max_running]  # its first decode batch
+        self.graphs.job_start(sched.outlook(), self.kind.mode(r.params for r in first))
+        self.recorder.note_captures()  # captured before any step began
 
     @property
     def capture_logits(self) -> bool:
         """Debug: keep the logits of every sampled token (set before adding requests)."""
-        return self.requests.capture_logits
+        return self.pipeline.capture_logits
 
     @capture_logits.setter
     def capture_logits(self, keep: bool) -> None:
-        self.requests.capture_logits = keep
+        self.pipeline.capture_logits = keep
 
     @property
     def lookahead_enabled(self) -> bool:
@@ -247,44 +242,40 @@ class Engine:
         self._closed = True
         if self._overlap is not None:
             self._overlap.close()
-        self.runner.close()
+        self.graphs.close()
 
     # -- introspection --------------------------------------------------------------------------
     def request(self, request_id: str) -> Request | None:
-        return self.requests.get(request_id)
+        return self.scheduler.get(request_id)
 
     @property
-    def scheduler(self) -> Any:
-        return self.requests.scheduler
-
-    @property
-    def memory(self) -> RequestMemory:
-        return self.requests.memory
+    def cache(self) -> RequestCache:
+        """The request side of the cache: ``.tree`` (the UHRC), ``.kv`` (the KV allocator),
+        ``.recurrent``, ``.windows`` (sliding-window pages), ``.reuse``."""
+        return self.scheduler.cache
 
     def check_invariants(self) -> None:
         """Ledger: free + pending-free + request-held + tree-held == capacity, for KV pages and
         state slots; tree structure, lock receipts and LRU order consistent; nothing a launched
         step reads is free."""
         self.pipeline.check_unresolved()
-        self.requests.check(track_held=self.pipeline.held_track_slots())
+        self.scheduler.check(track_held=self.pipeline.held_track_slots())
 
     def stats(self) -> dict[str, Any]:
         d = self.recorder.as_dict(overlap=self._overlap is not None)
-        d["cached_tokens"] = self.requests.cached_tokens
-        d["reused_tokens"] = self.requests.reused_tokens
+        sched = self.scheduler
+        kv = sched.cache.kv
+        d["cached_tokens"] = sched.cached_tokens
+        d["reused_tokens"] = sched.reused_tokens
         d["requests_finished"] = self.finished
         d["requests_aborted"] = self.aborted
-        d.update(self.runner.graph_stats())
-        d["backend"] = self.runner.backend
-        d["backend_config"] = self.runner.backend_label()
-        plan = self.runner.plan
-        d["auto_plan"] = plan.summary() if plan is not None else None
-        d["auto_capture_s"] = round(self.runner.auto_capture_s, 3)
+        d.update(self.graphs.stats())
         d["lookahead"] = self.lookahead_enabled
-        d["weight_bytes"] = self.parts.weight_bytes
-        d["kv_free_tokens"] = self.kv_alloc.available_size()
-        d["kv_capacity_tokens"] = self.kv_alloc.capacity
-        d["kv_full_tokens_used"] = self.kv_alloc.capacity - self.kv_alloc.available_size()
-        d["kv_swa_tokens_used"] = self.swa_windows.used_tokens() if self.swa_windows else 0
-        d["cache_evictable_tokens"] = self.cache.evictable_size()
+        d["weight_bytes"] = self.derived.weight_bytes
+        d["kv_free_tokens"] = kv.available_size()
+        d["kv_capacity_tokens"] = kv.capacity
+        d["kv_full_tokens_used"] = kv.capacity - kv.available_size()
+        windows = sched.cache.windows
+        d["kv_swa_tokens_used"] = windows.used_tokens() if windows is not None else 0
+        d["cache_evictable_tokens"] = sched.cache.tree.evictable_size()
         return d

@@ -11,11 +11,12 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from hyloop.framework.assembly import build_parts
+from hyloop.framework.assembly import build_engine
 from hyloop.framework.config import EngineConfig, load_config
 from hyloop.framework.engine import Engine
-from hyloop.framework.request import RequestOutput
+from hyloop.framework.requests import RequestOutput
 from hyloop.framework.sampling_params import SamplingParams
+from hyloop.graphs.capture import Graphs
 
 
 class LLM:
@@ -42,14 +43,18 @@ class LLM:
                 update={"model": cfg.model.model_copy(update={"path": str(model)})}
             )
         self.config = cfg
-        self.parts = build_parts(cfg)
-        self.engine = Engine(self.parts)
+        self.engine = build_engine(cfg)
         self._counter = 0
-        self._finalizer = weakref.finalize(self, _close_engine, self.engine, self.parts)
+        self._finalizer = weakref.finalize(self, _close_engine, self.engine)
 
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    @property
+    def graphs(self) -> Graphs:
+        """What the engine captures and when: buckets, artifacts, warm-up, the run's report."""
+        return self.engine.graphs
 
     def generate(
         self,
@@ -147,7 +152,8 @@ def _rates(s0: dict[str, Any], s: dict[str, Any]) -> dict[str, str]:
     return {"prefill tok/s": f"{prefill:.0f}", "decode tok/s": f"{decode:.1f}"}
 
 
-def _close_engine(engine: Engine, parts: Any) -> None:
+def _close_engine(engine: Engine) -> None:
     engine.close()
-    parts.kv_pool.k.clear()
-    parts.kv_pool.v.clear()
+    kv = engine.kind.pools.kv
+    kv.k.clear()
+    kv.v.clear()

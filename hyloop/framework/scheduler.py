@@ -1,51 +1,102 @@
-"""Continuous batching: admission under the pool budget, chunked prefill, decode batches.
+"""Requests from admission to their last output: continuous batching under the pool budget.
 
 Policy: prefill first (chunks of waiting prompts up to the step's token budget), otherwise one
-decode step over every running request. Admission reserves KV pages for the whole request
-(prompt + max new tokens, less what the cache serves), evicting unlocked tree entries when the
-allocator runs short; a request that does not fit waits in the queue (backpressure, never a
-mid-step allocation failure).
+decode step over every running request. Admission takes a ``Lease`` from the request cache,
+which reserves KV pages for the whole request (prompt + max new tokens, less what the cache
+serves) and evicts unlocked tree entries when short; a request that does not fit waits in the
+queue (backpressure, never a mid-step allocation failure).
+
+The scheduler owns the live requests and their leases and calls down into the request cache;
+nothing calls back. The pipeline calls ``next_batch`` and ``prepare`` before a step and
+``resolve`` after it; the engine calls ``add`` and ``abort``. Both happen on one thread at a
+time: the engine applies user calls only at step boundaries, and a step's resolve runs on the
+overlap thread only while the scheduler thread waits for it.
 """
 
 from __future__ import annotations
 
+import os
 from collections import deque
-from collections.abc import Callable
+from typing import Any
 
-from hyloop.framework.batch import Batch, Chunk
-from hyloop.framework.request import Request, Status
+import torch
+
+from hyloop.cache import RadixKey
+from hyloop.cache.lease import RequestCache
+from hyloop.framework.config import SchedulerSection
+from hyloop.framework.requests import Batch, Chunk, Request, RequestOutput, Status
+from hyloop.graphs.capture import Outlook
+from hyloop.graphs.step_batch import StepOutput
+from hyloop.pools import StepFence
+
+# A request is held back one step when an admitted, still-prefilling request shares at least this
+# many more prompt tokens with it than the cache can serve: it will hit them after the insert.
+DEFER_MIN_SHARED = 16
 
 
 class Scheduler:
     def __init__(
         self,
+        cache: RequestCache,
+        section: SchedulerSection,
         max_running: int,
-        prefill_chunk: int,
-        prefill_token_budget: int,
-        admit: Callable[[Request], bool | None],
-        chunk_limit: Callable[[Request, int, int], int] | None = None,
+        fence: StepFence,
+        tokenizer: Any,
     ) -> None:
+        self.cache = cache
+        self.fence = fence
+        self.tokenizer = tokenizer
         self.max_running = max_running
-        self.prefill_chunk = prefill_chunk
-        self.prefill_token_budget = prefill_token_budget
-        # Allocates pools for a request: True admitted, False out of resources (stop admitting),
-        # None defer (it would recompute a prefix an admitted request is about to insert).
-        self._admit = admit
-        self._chunk_limit = chunk_limit  # (req, start, length) -> length, e.g. track boundaries
+        self.prefill_chunk = section.prefill_chunk
+        self.prefill_token_budget = section.prefill_token_budget
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.cached_tokens = 0  # prompt tokens served by the cache (written at admission)
+        self.reused_tokens = 0  # prompt tokens copied from a donor at a new offset
+        self._requests: dict[str, Request] = {}
+        self._outputs: list[RequestOutput] = []  # finished outputs not yet handed out
+
+    # -- requests -------------------------------------------------------------------------------
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def get(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
 
     def add(self, req: Request) -> None:
+        self._requests[req.request_id] = req
         self.waiting.append(req)
 
-    def remove(self, req: Request) -> None:
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
+    def abort(self, request_id: str) -> None:
+        req = self._requests.get(request_id)
+        if req is not None and req.status is not Status.FINISHED:
+            self.finish(req, "abort")  # unknown or finished: a no-op
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._outputs)
+
+    def take_outputs(self) -> list[RequestOutput]:
+        outputs, self._outputs = self._outputs, []
+        return outputs
+
+    def outlook(self) -> list[Outlook]:
+        """Every running and queued request as a job plan sees it: the columns its next decode
+        step reads and the decode steps left in its budget."""
+        out = [Outlook(r.total_len, r.max_new - r.num_sampled) for r in self.running]
+        out += [Outlook(len(r.prompt_ids) + 1, r.max_new - 1) for r in self.waiting]
+        return out
+
+    # -- batches --------------------------------------------------------------------------------
+    def _defers(self, req: Request) -> bool:
+        """Whether an admitted, still-prefilling request is about to insert a prefix ``req``
+        shares (so it would recompute it now and hit it one step later)."""
+        cached = self.cache.tree.peek_prefix_len(RadixKey(req.prompt_ids[:-1]))
+        for other in self.running:
+            if not other.prefill_done:
+                shared = len(os.path.commonprefix([req.prompt_ids[:-1], other.prompt_ids]))
+                if shared - cached >= max(DEFER_MIN_SHARED, self.cache.page_size):
+                    return True
+        return False
 
     def _admit_waiting(self) -> None:
         """Admit FIFO while there is room, up to one step's prefill budget of pending tokens.
@@ -59,19 +110,25 @@ class Scheduler:
             if pending >= self.prefill_token_budget:
                 break
             req = self.waiting.popleft()
-            verdict = self._admit(req)
-            if verdict is None:
+            if self._defers(req):
                 deferred.append(req)
                 continue
-            if not verdict:
+            lease = self.cache.admit(req)
+            if lease is None:
                 self.waiting.appendleft(req)
                 break  # FIFO: later requests wait behind the head (no starvation)
+            req.lease = lease
+            req.num_cached = req.num_computed = lease.cached
+            req.reused_spans, req.num_reused = lease.reused_spans, lease.reused
+            self.cached_tokens += lease.cached
+            self.reused_tokens += lease.reused
             req.status = Status.RUNNING
             self.running.append(req)
             pending += req.prefill_remaining
         self.waiting.extendleft(reversed(deferred))
 
     def next_batch(self) -> Batch | None:
+        """Admit what fits and pick the next batch (None: nothing to run)."""
         self._admit_waiting()
         budget = self.prefill_token_budget
         chunks: list[Chunk] = []
@@ -81,11 +138,141 @@ class Scheduler:
             start, stop = req.next_prefill_span()
             req.num_computed = start  # reused spans were written at admission
             length = min(stop - start, self.prefill_chunk, budget)
-            if self._chunk_limit is not None:
-                length = self._chunk_limit(req, start, length)
-            chunks.append(Chunk(req, start, length))
-            budget -= length
+            chunks.append(Chunk(req, start, self.cache.chunk_limit(start, length)))
+            budget -= chunks[-1].length
         if chunks:
             return Batch(chunks, is_decode=False)
-        decode = [Chunk(r, r.total_len - 1, 1) for r in self.running]
-        return Batch(decode, is_decode=True) if decode else None
+        if self.running:
+            return Batch([Chunk(r, r.total_len - 1, 1) for r in self.running], is_decode=True)
+        if self.waiting:
+            raise RuntimeError(
+                f"request {self.waiting[0].request_id!r} cannot be admitted into an idle engine "
+                "(pool too small for it)"
+            )
+        return None
+
+    def prepare(self, batch: Batch) -> list[tuple[torch.Tensor, int]]:
+        """Host work before a step: window pages, track slots, sampled-token counters. Returns
+        the KV slots the step reads (taken now: a release drops the lease)."""
+        for c in batch.chunks:
+            if c.req.lease is not None:
+                self.cache.advance_window(c.req, c.req.lease, c.start, c.start + c.length)
+            c.track_slot = self.cache.take_track_slot(c.start + c.length)
+            if batch.is_decode or c.completes_prompt:
+                if c.out_pos < 0:
+                    c.out_pos = c.req.num_sampled
+                c.req.num_sampled += 1
+        return [(c.req.lease.slots, c.start + c.length) for c in batch.chunks if c.req.lease]
+
+    def abandon(self, batch: Batch) -> None:
+        """A prepared step that will never run: its track slots go back."""
+        for c in batch.chunks:
+            self.cache.drop_track_slot(c.track_slot)
+            c.track_slot = 0
+
+    # -- a resolved step ------------------------------------------------------------------------
+    def resolve(
+        self,
+        batch: Batch,
+        out: StepOutput,
+        next_ids: list[int],
+        next_rows: list[list[int]] | None,
+    ) -> list[RequestOutput]:
+        """Commit what the step computed, append its tokens, run stop checks, finish requests;
+        returns running outputs."""
+        self._commit_progress(batch)
+        outs: list[RequestOutput] = []
+        for i, chunk in enumerate(batch.chunks):
+            req = chunk.req
+            if req.status is not Status.RUNNING:
+                continue  # finished or aborted before this step resolved: token discarded
+            req.num_computed = chunk.start + chunk.length
+            if not batch.is_decode and not chunk.completes_prompt:
+                continue
+            tok = next_ids[i]
+            req.output_ids.append(tok)
+            if req.output_rows is not None and next_rows is not None:
+                req.output_rows.append(next_rows[i])
+            if req.logprobs is not None:
+                req.logprobs.append(_logprob_entry(out, i, tok, req.params.logprobs or 0))
+            if req.logits is not None and out.logits is not None:
+                req.logits.append(out.logits[i].clone())
+            if tok in req.stop_ids:
+                self.finish(req, "stop")
+            elif len(req.output_ids) >= req.max_new:
+                self.finish(req, "length")
+            elif req.params.output_kind != "final_only":
+                outs.append(self.output(req))
+        return outs
+
+    def _commit_progress(self, batch: Batch) -> None:
+        """Insert what a step computed: track snapshots, and prefill pages (dense models)."""
+        cache = self.cache
+        for c in batch.chunks:
+            req, end, lease = c.req, c.start + c.length, c.req.lease
+            if req.status is not Status.RUNNING or lease is None:
+                cache.drop_track_slot(c.track_slot)  # a post-stop step: never inserted
+            elif c.track_slot:
+                cache.commit(req, lease, end, state_slot=c.track_slot)
+            elif (
+                cache.commits_prefill
+                and not batch.is_decode
+                and end - lease.own_from >= cache.page_size
+            ):
+                cache.commit(req, lease, end)
+            c.track_slot = 0
+
+    def finish(self, req: Request, reason: str) -> None:
+        """End ``req``: commit what it computed (unless aborted) and free what it holds. Frees
+        wait for any step still in flight (``StepFence``); so does its working state, which such
+        a step has advanced past what is committed, so it is never kept as a snapshot then."""
+        if req.status is Status.RUNNING:
+            assert req.lease is not None
+            commit = reason != "abort"
+            self.cache.release(req, req.lease, req.num_computed, commit, self.fence.idle)
+            req.lease = None
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        self._outputs.append(self.output(req))
+        del self._requests[req.request_id]
+
+    def output(self, req: Request) -> RequestOutput:
+        """The request's output so far (``delta``: what is new since its last output). The
+        text, decoded once it finishes, is always the whole output's."""
+        finished = req.status is Status.FINISHED
+        text = None
+        if self.tokenizer is not None and finished:
+            text = self.tokenizer.decode(req.output_ids)
+        start = req.num_emitted if req.params.output_kind == "delta" else 0
+        req.num_emitted = len(req.output_ids)
+        rows, logprobs = req.output_rows, req.logprobs
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_ids,
+            token_ids=req.output_ids[start:],
+            text=text,
+            finished=finished,
+            finish_reason=req.finish_reason,
+            num_cached_tokens=req.num_cached,
+            num_reused_tokens=req.num_reused,
+            logprobs=logprobs[start:] if logprobs is not None else None,
+            rows=[list(r) for r in rows[start:]] if rows is not None else None,
+        )
+
+    # -- ledger ---------------------------------------------------------------------------------
+    def check(self, track_held: int) -> None:
+        leases = {r.request_id: r.lease for r in self.running if r.lease is not None}
+        self.cache.check(leases, track_held=track_held)
+
+
+def _logprob_entry(out: StepOutput, i: int, tok: int, k: int) -> dict[int, float]:
+    assert out.chosen_lp is not None
+    entry = {tok: float(out.chosen_lp[i])}
+    if k > 0:
+        assert out.top_lp is not None and out.top_ids is not None
+        for lp, tid in zip(out.top_lp[i, :k].tolist(), out.top_ids[i, :k].tolist(), strict=True):
+            entry[int(tid)] = float(lp)
+    return entry

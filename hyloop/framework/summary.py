@@ -8,7 +8,7 @@ from typing import Any
 def render_summary(llm: Any) -> str:
     cfg = llm.config
     s = llm.stats()
-    d = llm.parts.derived
+    d = llm.engine.derived
     pt, dt = s["prefill_time"], s["decode_time"]
     lines = [
         "── hyloop run summary " + "─" * 40,
@@ -18,12 +18,12 @@ def render_summary(llm: Any) -> str:
         f"graph replays  {s['graph_replays']}    eager fallbacks {s['eager_fallbacks']}    "
         f"recompiles {s['recompiles']}    capture {s['capture_time']:.1f} s "
         "(kept out of the step times)",
-        f"kv pool        page_size {cfg.kv_pool.page_size}    pages {d['kv_pages']}    "
+        f"kv pool        page_size {cfg.kv_pool.page_size}    pages {d.kv_pages}    "
         f"free {s['kv_free_tokens']}/{s['kv_capacity_tokens']} tokens",
         f"kv in use      full {s['kv_full_tokens_used']} tokens    "
         f"sliding-window {s['kv_swa_tokens_used']} tokens"
-        + (f" (window {d['swa_window']}, {d['swa_pages']} pages)" if d.get("swa_window") else ""),
-        f"cache          {'on' if cfg.cache.enable else 'off'} ({d['cache']})    "
+        + (f" (window {d.swa_window}, {d.swa_pages} pages)" if d.swa_window else ""),
+        f"cache          {'on' if cfg.cache.enable else 'off'} ({d.cache})    "
         f"cached tokens {s['cached_tokens']}    evictable {s['cache_evictable_tokens']}",
         f"pi reuse       {_pi_line(cfg.cache.position_independent, s)}",
         f"lookahead      {'on' if s['lookahead'] else 'off'} (min_batch {cfg.lookahead.min_batch})",
@@ -39,9 +39,9 @@ def render_summary(llm: Any) -> str:
     if s.get("auto_plan") is not None:
         lines.append(
             f"auto plan      {s['auto_plan']}; captured {s['auto_capture_s']:.1f} s at jobs' "
-            f"first decode steps, none after; {s['uncaptured_steps']} steps ran eager"
+            f"starts, none after; {s['uncaptured_steps']} steps ran eager"
         )
-    kernels = d.get("cpu_kernels")
+    kernels = d.cpu_kernels
     if kernels:
         lines.append(
             f"cpu kernels    {kernels['measured']} timed in {kernels['measure_s']:.1f} s "

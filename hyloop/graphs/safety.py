@@ -1,23 +1,15 @@
 """Capture-safety checks: prove a step function never waits on the host.
 
-A CUDA graph bakes whatever the host saw at capture time, and ``torch.compile`` on CPU happily
-compiles many host syncs (``.cpu()`` is a no-op there, recent Dynamo captures ``.item()``), so
-neither backend alone proves a step is safe. ``check_capture_safe(step, *args)`` runs the step
-eagerly under two interceptors and raises ``CaptureSafetyError`` at the first host sync:
-
-* a ``TorchDispatchMode`` sees every aten op: host reads of values (``aten._local_scalar_dense``
-  from ``.item()``, ``bool(t)``, ``int(t)``, ``float(t)``, ``if t:``), ops whose output shape
-  depends on the data (``nonzero``, ``masked_select``, ``unique``, boolean-mask indexing, ...),
-  ``torch.equal`` and copies between devices;
-* a ``TorchFunctionMode`` sees the Python-level calls that never reach the dispatcher as an op
-  (``.tolist()``, ``.numpy()``, ``.cpu()`` and ``.to("cpu")`` of a CPU tensor, printing a
-  tensor, ``torch.tensor(host data)``) and names boolean-mask indexing at the call site;
-* ``torch.cuda.synchronize`` and stream/event ``synchronize`` are rejected in the checking
-  thread while a check is active.
-
-On CUDA, ``sync_debug_error()`` additionally arms ``torch.cuda.set_sync_debug_mode("error")``
-(process-wide; the modes above are per thread). Hand the checker the eager step, not a compiled
-one: it watches the ops that run, not a graph.
+A CUDA graph bakes in whatever the host saw at capture, and ``torch.compile`` on CPU compiles
+many host syncs without complaint, so neither backend alone proves a step safe.
+``check_capture_safe(step, *args)`` runs the step eagerly and raises ``CaptureSafetyError`` at
+the first host sync: a ``TorchDispatchMode`` sees every aten op (host reads such as ``.item()``
+or ``if t:``, data-dependent output shapes, ``torch.equal``, cross-device copies); a
+``TorchFunctionMode`` sees the Python-level calls that never reach the dispatcher
+(``.tolist()``, ``.numpy()``, ``.cpu()``, printing, ``torch.tensor(host data)``, boolean-mask
+indexing); ``torch.cuda`` synchronize calls are rejected in the checking thread. On CUDA,
+``sync_debug_error()`` also arms ``torch.cuda.set_sync_debug_mode("error")`` (process-wide;
+the modes are per thread). Hand it the eager step: it watches the ops that run, not a graph.
 """
 
 from __future__ import annotations
@@ -73,11 +65,8 @@ _FUNCTION_REASONS: dict[Callable[..., Any], str] = {
 
 
 def _cpu_only_host_read(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether ``func`` reads values on the host only because it runs on CPU.
-
-    ``one_hot`` with ``num_classes`` validates its input with a host read on CPU; on CUDA it
-    checks on device, so that read is not a sync a captured GPU step would make.
-    """
+    """Whether ``func`` reads values on the host only because it runs on CPU: ``one_hot`` with
+    ``num_classes`` validates its input there (on device on CUDA, no sync)."""
     if func is not torch.nn.functional.one_hot:
         return False
     # Without num_classes the output width is the input's max: a real data-dependent shape.
@@ -90,12 +79,9 @@ def _cpu_only_host_read(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 _ATEN_REASONS: dict[Any, str] = {
     torch.ops.aten.equal.default: "returns a host bool (torch.equal)",
 }
-_INDEX_OPS = {
-    torch.ops.aten.index.Tensor,
-    torch.ops.aten.index_put.default,
-    torch.ops.aten.index_put_.default,
-    torch.ops.aten._index_put_impl_.default,
-}
+_aten = torch.ops.aten
+_INDEX_OPS = {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default}
+_INDEX_OPS.add(_aten._index_put_impl_.default)
 
 
 class CaptureSafetyError(RuntimeError):

@@ -11,7 +11,7 @@ bit-identical on CPU and GPU.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -66,8 +66,9 @@ def candidate_cap(groups: Iterable[tuple[float, int, float]], vocab: int) -> int
     return min(vocab, 1 << (widest - 1).bit_length())
 
 
-# Largest cap for ``hyloop::topk_rows``: its insertion costs grow with k.
+# Largest cap for a ``topk`` kernel (hyloop::topk_rows): its insertion costs grow with k.
 NATIVE_TOPK_MAX = 64
+TopK = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 
 
 def sample(
@@ -80,17 +81,18 @@ def sample(
     tok_hash: torch.Tensor,
     top_cap: int,
     greedy_only: bool = False,
-    native_topk: bool = False,
+    topk: TopK | None = None,
 ) -> torch.Tensor:
     """Next token ids ``[B]`` (int64) from fp32 ``logits [B, V]``.
 
-    ``top_k`` is the number of tokens kept (``V`` to disable), ``top_p`` the nucleus mass (1.0 to
-    disable). ``top_cap`` is static per captured artifact (``candidate_cap``): 0 samples the
-    whole vocabulary unfiltered; otherwise each row samples among its ``top_cap`` largest logits
-    (a ``topk``, or a full sort when the cap is the vocabulary), which hold its top-k.
+    ``top_k`` is the number of tokens kept (``-1`` or ``>= V`` to disable), ``top_p`` the
+    nucleus mass (1.0 to disable). ``top_cap`` is static per captured artifact
+    (``candidate_cap``): 0 samples the whole vocabulary unfiltered; otherwise each row samples
+    among its ``top_cap`` largest logits (a ``topk``, or a full sort when the cap is the
+    vocabulary), which hold its top-k.
     ``greedy_only`` (static) skips the noise when every row is greedy; the result is the same
-    argmax either way. ``native_topk`` (CPU, ``cpu_ops`` loaded) takes a cap of at most
-    ``NATIVE_TOPK_MAX`` candidates with ``hyloop::topk_rows`` (ties to the lower index).
+    argmax either way. ``topk`` (the CPU kernel ``hyloop::topk_rows``, ties to the lower index)
+    takes a cap of at most ``NATIVE_TOPK_MAX`` candidates.
     """
     greedy = logits.argmax(dim=-1)
     if greedy_only:
@@ -102,12 +104,13 @@ def sample(
         sampled = (scaled + gumbel_noise(seeds, out_pos, tok_hash[:vocab])).argmax(dim=-1)
         return torch.where(temperature > 0, sampled, greedy)
     cap = min(top_cap, vocab)
-    if native_topk and cap <= NATIVE_TOPK_MAX:
-        top, order = torch.ops.hyloop.topk_rows(scaled, cap)
+    if topk is not None and cap <= NATIVE_TOPK_MAX:
+        top, order = topk(scaled, cap)
     elif cap < vocab:
         top, order = scaled.topk(cap, dim=-1)
     else:
         top, order = scaled.sort(dim=-1, descending=True)
+    top_k = torch.where(top_k > 0, top_k, cap)  # -1: off
     rank = torch.arange(cap, device=logits.device)
     in_top_k = rank[None, :] < top_k[:, None]
     # Top-k first, then the nucleus over the renormalised top-k (as HF / vLLM do). The mass is

@@ -2,17 +2,15 @@
 
 RoPE turns pair ``j`` of a key by ``p * theta_j``; rotations compose, so a key cached at ``p_old``
 becomes the key at ``p_new`` after one more turn by ``(p_new - p_old) * theta_j``. That holds for
-any frequency set that does not depend on the position or the sequence length: the default,
-linear and Llama-3 scalings qualify; dynamic NTK (a length-dependent base), YaRN's attention
-factor baked into cos/sin, and multi-axis positions do not, and are refused.
+frequencies independent of the position and the sequence length: the default, linear and Llama-3
+scalings; dynamic NTK (a length-dependent base), YaRN's attention factor baked into cos/sin and
+multi-axis positions are refused.
 
-The turn is the difference of the two angles as the model's own table holds them (fp32
-``position * inv_freq``, as ``RotaryEmbedding`` builds it), taken in fp64 and applied in fp32
-whatever the pool's dtype: the moved key then equals the key the model computes at the new
-position, not only up to the table's rounding of large angles (an fp32 angle near 400 rad is off
-by up to 1.5e-5). Pair layouts: ``neox`` (halves: ``x[i]`` with ``x[i + d/2]``) and ``gptj``
-(neighbours: ``x[2i]`` with ``x[2i + 1]``); dimensions past ``rotary_dim`` (partial rotary) are
-copied unchanged.
+The turn is the difference of the two angles as the model's own fp32 table holds them, taken in
+fp64 and applied in fp32 whatever the pool's dtype, so the moved key equals the key the model
+computes at the new position, rounding of large fp32 angles included. Pair layouts: ``neox``
+(``x[i]`` with ``x[i + d/2]``) and ``gptj`` (``x[2i]`` with ``x[2i + 1]``); dimensions past
+``rotary_dim`` (partial rotary) are copied unchanged.
 """
 
 from __future__ import annotations
@@ -21,6 +19,7 @@ from typing import Literal
 
 import torch
 
+from hyloop.models.contract import ModelContract
 from hyloop.models.layers.rope import RopeSpec
 
 SHIFTABLE_ROPE_TYPES = ("default", "linear", "llama3")
@@ -39,26 +38,25 @@ def rotate_keys(
     inv_freq: torch.Tensor,
     layout: Layout = "neox",
 ) -> torch.Tensor:
-    """``k [N, H, D]`` computed at ``old_pos [N]`` moved to ``new_pos [N]``; the first
-    ``2 * len(inv_freq)`` dims rotate. Returns fp32."""
+    """``k [N, H, D]`` computed at ``old_pos [N]`` moved to ``new_pos [N]``, in fp32; the first
+    ``2 * len(inv_freq)`` dims rotate."""
     rd = 2 * inv_freq.numel()
     if rd > k.shape[-1]:
         raise ValueError(f"rotary dims {rd} exceed the head dim {k.shape[-1]}")
+    if layout == "neox":
+        first, second = slice(0, rd // 2), slice(rd // 2, rd)
+    elif layout == "gptj":
+        first, second = slice(0, rd, 2), slice(1, rd, 2)
+    else:
+        raise ValueError(f"rope layout {layout!r} is not supported; expected 'neox' or 'gptj'")
     angle = table_angles(new_pos, inv_freq).double() - table_angles(old_pos, inv_freq).double()
     cos = angle.cos().to(torch.float32).unsqueeze(1)  # [N, 1, rd/2]
     sin = angle.sin().to(torch.float32).unsqueeze(1)
     x = k.to(torch.float32)
     out = x.clone()
-    if layout == "neox":
-        a, b = x[..., : rd // 2], x[..., rd // 2 : rd]
-        out[..., : rd // 2] = a * cos - b * sin
-        out[..., rd // 2 : rd] = b * cos + a * sin
-    elif layout == "gptj":
-        a, b = x[..., 0:rd:2], x[..., 1:rd:2]
-        out[..., 0:rd:2] = a * cos - b * sin
-        out[..., 1:rd:2] = b * cos + a * sin
-    else:
-        raise ValueError(f"rope layout {layout!r} is not supported; expected 'neox' or 'gptj'")
+    a, b = x[..., first], x[..., second]
+    out[..., first] = a * cos - b * sin
+    out[..., second] = b * cos + a * sin
     return out
 
 
@@ -83,8 +81,7 @@ class KVShifter:
         old_pos: torch.Tensor,
         new_pos: torch.Tensor,
     ) -> None:
-        """For every layer: ``V[dst] = V[src]``; ``K[dst]`` = ``K[src]`` moved from ``old_pos``
-        to ``new_pos``."""
+        """Per layer: ``V[dst] = V[src]``; ``K[dst]`` = ``K[src]`` moved to ``new_pos``."""
         if not len(src):
             return
         device = k_layers[0].device
@@ -97,21 +94,19 @@ class KVShifter:
             k.index_copy_(0, dst, moved.to(k.dtype))
 
 
-def shifter_for(model: torch.nn.Module) -> KVShifter:
-    """The shifter for ``model``'s attention, or a ValueError saying why its KV cannot move."""
-    name = type(model).__name__
-    if getattr(model, "num_recurrent_layers", 0):
+def shifter_for(contract: ModelContract, name: str) -> KVShifter:
+    """The shifter for a model's attention (its ``contract``; ``name`` for errors), or a
+    ValueError saying why its KV cannot move."""
+    if contract.recurrent is not None:
         raise ValueError(
             f"cache.position_independent: {name} has recurrent layers, whose state is not "
             "position-addressable; position-independent reuse needs an attention-only model"
         )
-    spec = getattr(model, "spec", None)
-    if getattr(spec, "sliding_window", None) or getattr(model, "sliding_window", None):
+    if contract.sliding_window is not None:
         raise ValueError(
             f"cache.position_independent: {name} has sliding-window layers; reusing their KV "
             "at another offset is not designed yet"
         )
-    rope = getattr(spec, "rope", None)
-    if not isinstance(rope, RopeSpec):
+    if contract.rope is None:
         raise ValueError(f"cache.position_independent: {name} has no rotary embedding to shift")
-    return KVShifter(rope, "neox")  # hyloop's RotaryEmbedding rotates halves
+    return KVShifter(contract.rope, "neox")  # hyloop's RotaryEmbedding rotates halves

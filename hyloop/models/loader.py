@@ -33,14 +33,10 @@ class LoadedModel:
 
     @property
     def weight_bytes(self) -> int:
-        seen: set[int] = set()
-        total = 0
+        first: dict[int, nn.Parameter] = {}
         for p in self.model.parameters():
-            if p.data_ptr() in seen:
-                continue
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-        return total
+            first.setdefault(p.data_ptr(), p)  # tensors sharing storage count once
+        return sum(p.numel() * p.element_size() for p in first.values())
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:

@@ -57,37 +57,23 @@ def load_weights(
                 misshaped.append(f"{name}: {tuple(tensor.shape)} vs {tuple(target.shape)}")
             continue  # tied copies carry no extra information
         hit = _stacked_target(name, stacked)
-        if hit is not None:
-            pname, part = hit
-            if pname not in params:
-                unexpected.append(name)
-                continue
-            start, rows = plan[pname][part]
-            dst = params[pname].data.narrow(0, start, rows)
-            if tuple(tensor.shape) != tuple(dst.shape):
-                misshaped.append(f"{name}: {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-                continue
-            dst.copy_(tensor)
-            filled[pname] = filled.get(pname, 0) + rows
-            continue
-        if name not in params:
+        pname = name if hit is None else hit[0]
+        if pname not in params:
             unexpected.append(name)
             continue
-        dst = params[name].data
+        if hit is None:
+            dst = params[pname].data
+            rows = _rows(dst)
+        else:  # this part's rows of the fused parameter
+            start, rows = plan[pname][hit[1]]
+            dst = params[pname].data.narrow(0, start, rows)
         if tuple(tensor.shape) != tuple(dst.shape):
             misshaped.append(f"{name}: {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
             continue
         dst.copy_(tensor)
-        filled[name] = filled.get(name, 0) + (dst.shape[0] if dst.dim() else 1)
+        filled[pname] = filled.get(pname, 0) + rows
 
-    tied_targets = set(tied)
-    missing = []
-    for pname, p in params.items():
-        if pname in tied_targets:
-            continue
-        need = p.shape[0] if p.dim() else 1
-        if filled.get(pname, 0) != need:
-            missing.append(pname)
+    missing = [n for n, p in params.items() if n not in tied and filled.get(n, 0) != _rows(p)]
     problems = []
     if missing:
         problems.append(f"missing tensors: {', '.join(sorted(missing))}")
@@ -97,6 +83,10 @@ def load_weights(
         problems.append(f"mis-shaped tensors: {'; '.join(misshaped)}")
     if problems:
         raise WeightLoadError(f"{source}: " + " | ".join(problems))
+
+
+def _rows(t: torch.Tensor) -> int:
+    return t.shape[0] if t.dim() else 1
 
 
 def _stacked_target(name: str, stacked: tuple[StackedParam, ...]) -> tuple[str, int] | None:
@@ -128,9 +118,5 @@ def _stack_plan(
                 if p.shape[0] % n:
                     raise WeightLoadError(f"{pname}: {p.shape[0]} rows do not split in {n}")
                 sizes = [p.shape[0] // n] * n
-            start, ranges = 0, []
-            for rows in sizes:
-                ranges.append((start, rows))
-                start += rows
-            plan[pname] = ranges
+            plan[pname] = [(sum(sizes[:i]), rows) for i, rows in enumerate(sizes)]
     return plan

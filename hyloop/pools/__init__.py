@@ -7,7 +7,7 @@ from hyloop.pools.recurrent_pool import RecurrentPool, SlotRole
 from hyloop.pools.req_to_token import ReqToTokenPool
 from hyloop.pools.slot_allocator import SlotAllocator
 from hyloop.pools.step_fence import DeferredFrees, StepFence
-from hyloop.pools.swa_pool import SWAKVPool
+from hyloop.pools.swa_pool import SWAKVPool, SWAWindows
 
 __all__ = [
     "DeferredFrees",
@@ -19,4 +19,5 @@ __all__ = [
     "SlotRole",
     "StepFence",
     "SWAKVPool",
+    "SWAWindows",
 ]

@@ -1,7 +1,7 @@
 """Page allocator for the paged KV pool.
 
-Slots are grouped into pages of ``page_size``; the allocator hands out whole pages. Page 0 is
-reserved as the padding sink: padded rows of a captured step write there and nothing reads it.
+Page 0 is reserved as the padding sink: padded rows of a captured step write there and nothing
+reads it.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from hyloop.pools.step_fence import DeferredFrees, StepFence
 
 
 class PageAllocator:
-    """Hands out whole pages of KV slots; page 0 is never handed out.
+    """Hands out whole pages of ``page_size`` KV slots (never page 0).
 
-    ``alloc(n)`` returns the slot indices of ``ceil(n / page_size)`` pages (all their slots, in
-    page order), so the caller owns whole pages. ``free(indices)`` returns the pages those slots
-    belong to; a page may be freed only by the one owner that holds it.
+    ``alloc(n)`` returns every slot of ``ceil(n / page_size)`` pages in page order, so the caller
+    owns whole pages; ``free(indices)`` returns the pages of those slots, and only the one owner
+    holding a page may free it.
     """
 
     def __init__(
@@ -36,20 +36,18 @@ class PageAllocator:
         self.num_pages = num_pages
         self.page_size = page_size
         self.device = torch.device(device)
-        # LIFO free stack ``_stack[:_top]``: recently freed pages are reused first (warm in
-        # cache). numpy arrays keep alloc/free vectorized: the radix cache frees hundreds of
-        # slots per insert/evict, and a per-page Python loop dominated that cost.
+        # LIFO free stack ``_stack[:_top]`` so recently freed (cache-warm) pages are reused first;
+        # numpy keeps alloc/free vectorized, as the radix cache frees many slots per insert/evict.
         self._stack = np.zeros(num_pages, dtype=np.int64)
         self._stack[: num_pages - 1] = np.arange(num_pages - 1, 0, -1, dtype=np.int64)
         self._top = num_pages - 1
-        # NOTE: page 0 reads as free so that freeing it trips the double-free check; it is
-        # never on the stack.
+        # NOTE: page 0 reads as free (so freeing it trips the double-free check) but is never
+        # on the stack.
         self._is_free = np.ones(num_pages, dtype=np.bool_)
         self._mark = np.zeros(num_pages, dtype=np.int64)
         self._order = np.arange(num_pages, dtype=np.int64)
         self._page_offsets = torch.arange(page_size, dtype=torch.int64)
-        # Deferred frees (``StepFence``): pages freed while a launched step may still read them
-        # wait here under its generation until the fence retires it.
+        # Pages freed while a launched step may still read them wait here (``StepFence``).
         self.fence = fence
         self._pending: DeferredFrees[np.ndarray] = DeferredFrees()
         self._is_pending = np.zeros(num_pages, dtype=np.bool_)
@@ -63,7 +61,6 @@ class PageAllocator:
         return (self.num_pages - 1) * self.page_size
 
     def available_size(self) -> int:
-        """Free token slots."""
         return self._top * self.page_size
 
     def num_free_pages(self) -> int:
@@ -110,9 +107,8 @@ class PageAllocator:
                 f"free of slots {_describe(idx)}: pages outside 1..{self.num_pages - 1} "
                 f"or more pages than the pool holds"
             )
-        # A repeated page writes its later position into ``_mark``, so its earlier position
-        # reads back a different one: that detects repeats without sorting. Page 0 is marked
-        # free for good, so freeing it reads as a double free here and is reported below.
+        # Repeats without sorting: a repeated page's earlier position reads back the later one
+        # from ``_mark``. Page 0 reads as free, so freeing it is caught here as well.
         order = self._order[: len(pages)]
         mark = self._mark
         mark[pages] = order
@@ -138,8 +134,7 @@ class PageAllocator:
     def flush_pending(self, through: int | None = None) -> int:
         """Release pending pages of generations ``<= through`` (all when None); returns pages.
 
-        The fence calls this as steps retire; calling it earlier breaks the rule (a test does,
-        to show ``check_invariants`` catches it)."""
+        Only the fence should call this, as steps retire (a test calls it early on purpose)."""
         released = 0
         for pages in self._pending.take_through(through):
             self._is_pending[pages] = False
@@ -159,15 +154,13 @@ class PageAllocator:
         return set(self._stack[: self._top].tolist())
 
     def check_invariants(self) -> None:
-        """O(pages) with no sort: a default pool holds ~10^6 pages and this runs every step in
-        the tests (``np.unique`` took ~0.7 s there)."""
+        """O(pages) with no sort: pools are large and the tests run this every step."""
         free = self._stack[: self._top]
         if len(free) and int(np.bincount(free, minlength=self.num_pages).max()) > 1:
             raise AssertionError("page allocator: duplicate page in the free list")
         if (free == 0).any():
             raise AssertionError("page allocator: the padding page 0 is in the free list")
-        # No duplicates, every listed page marked free and as many marks as pages: the free
-        # list and the bitmap hold the same set.
+        # No duplicates, every listed page marked and as many marks as pages: the same set.
         marks = int(self._is_free.sum()) - 1
         if marks != len(free) or not self._is_free[0] or not self._is_free[free].all():
             raise AssertionError("page allocator: free bitmap and free list disagree")

@@ -1,8 +1,8 @@
 """Recurrent-state pool: per recurrent layer a temporal and a conv state per slot, plus slot roles.
 
-One slot is the full state of every recurrent layer (temporal ``[H, a, b]`` + conv
-``[conv_dim, K - 1]``). Slot 0 is the padding sink: padded rows of a captured step read and write
-it, so index tensors keep a fixed size. Every other slot has exactly one role at a time:
+A slot is the state of every recurrent layer (temporal ``[H, a, b]`` + conv ``[conv_dim, K - 1]``).
+Slot 0 is the padding sink that padded rows of a captured step read and write, so index tensors
+keep a fixed size. Every other slot has exactly one role at a time:
 
 - FREE: in the allocator's free list;
 - ACTIVE: a request's working state (a CoW destination becomes ACTIVE once filled);
@@ -43,8 +43,8 @@ def _as_list(slots: torch.Tensor | Sequence[int]) -> list[int]:
 class RecurrentPool:
     """State buffers of all recurrent layers plus the slot allocator and the role ledger.
 
-    NOTE: buffers are separate tensors per layer (like the KV pool) so a layer writes its own
-    buffer in place with ``index_copy_``; cross-layer operations loop over layers, never slots.
+    NOTE: buffers are separate per layer (like the KV pool) so a layer writes its own in place
+    with ``index_copy_``; cross-layer operations loop over layers, never slots.
     """
 
     def __init__(
@@ -78,7 +78,6 @@ class RecurrentPool:
         self._role = bytearray(rows)  # SlotRole per slot; slot 0 stays FREE and is never counted
         self.fence = fence
         self._pending: DeferredFrees[int] = DeferredFrees()
-        self.allocator.free_listeners.append(self._on_allocator_free)
         if fence is not None:
             fence.attach(self.flush_pending)
 
@@ -109,13 +108,6 @@ class RecurrentPool:
         temporal = torch.Size(temporal_shape).numel() * temporal_dtype.itemsize
         conv = conv_dim * (conv_kernel - 1) * conv_dtype.itemsize
         return num_layers * (temporal + conv)
-
-    def _on_allocator_free(self, items: list[int]) -> None:
-        # Slots the tree frees straight into the allocator (evicted snapshots) become FREE.
-        # NOTE: these skip the fence, safely: no launched step reads a tree snapshot (it is
-        # copied into a working slot at admission, which runs with nothing in flight).
-        for s in items:
-            self._role[s] = SlotRole.FREE
 
     # -- roles ----------------------------------------------------------------------------------
     def alloc(
@@ -161,6 +153,10 @@ class RecurrentPool:
         for s in items:
             self._role[s] = SlotRole.FREE
 
+    def free(self, slots: list[int]) -> None:
+        """The tree's free of snapshots it held (evicted or duplicates): fenced like ``release``."""
+        self.release(slots)
+
     def flush_pending(self, through: int | None = None) -> int:
         """Free pending slots of generations ``<= through`` (every one when None)."""
         done = self._pending.take_through(through)
@@ -184,11 +180,9 @@ class RecurrentPool:
     def check_invariants(
         self, tree_held: int, active_held: int | None = None, track_held: int | None = None
     ) -> None:
-        """Check active + cow + tree + track + free + pending-free == capacity and the owners.
-
-        ``tree_held`` is what the radix tree says it holds; ``active_held`` (requests' working
-        and CoW slots) and ``track_held`` are checked when given.
-        """
+        """Check active + cow + tree + track + free + pending-free == capacity, and the owners'
+        claims: ``tree_held`` always, ``active_held`` (working and CoW slots) and ``track_held``
+        when given."""
         c = self.counts()
         self.allocator.check_invariants()
         if sum(c.values()) != self.capacity:
@@ -250,7 +244,6 @@ class RecurrentPool:
             raise ValueError(f"{op}: state slot {slot} outside 1..{self.num_slots}")
         role = SlotRole(self._role[slot])
         if role not in _HELD_ROLES:
-            # Releasing a FREE or PENDING_FREE slot is a double free.
             raise ValueError(
                 f"{op}: state slot {slot} is {role.name} (double free), expected a held slot"
             )

@@ -8,11 +8,9 @@ from hyloop.pools.step_fence import DeferredFrees, StepFence
 
 
 class ReqToTokenPool:
-    """``[max_requests + 1, max_context]`` int32 slot indices; the last row is the padding row.
-
-    Row ``r`` column ``p`` holds the KV slot of position ``p`` of the request that owns row ``r``.
-    The padding row stays all zeros (slot 0, the padding sink).
-    """
+    """``[max_requests + 1, max_context]`` int32: row ``r`` column ``p`` is the KV slot of
+    position ``p`` of row ``r``'s request. The last row, for padding, stays all zeros (slot 0,
+    the padding sink)."""
 
     def __init__(
         self,

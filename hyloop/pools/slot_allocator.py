@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 
@@ -18,9 +16,6 @@ class SlotAllocator:
         self._is_free = bytearray(num_slots + 1)
         for s in self._free:
             self._is_free[s] = 1
-        # Owners that keep their own per-slot records (the recurrent pool's roles) hear of every
-        # free, including those issued by the radix tree when it evicts a snapshot.
-        self.free_listeners: list[Callable[[list[int]], None]] = []
 
     @property
     def capacity(self) -> int:
@@ -49,8 +44,6 @@ class SlotAllocator:
         for s in items:
             self._is_free[s] = 1
         self._free.extend(items)
-        for listener in self.free_listeners:
-            listener(items)
 
     def check_invariants(self) -> None:
         if len(set(self._free)) != len(self._free) or sum(self._is_free) != len(self._free):

@@ -1,14 +1,12 @@
 """The one deferred-free rule shared by every pool: a free waits for the steps that may read it.
 
-A step gets a generation when it is launched (or planned to launch); it is retired once it is
-known complete. Anything freed while a generation is unretired may still be read (or written) by
-that step on the device, so it is parked under the newest unretired generation and returned to
-its pool when that generation retires. With nothing unretired a free is immediate, which is all
-an outside caller of a pool ever sees.
+A step gets a generation when launched (or planned) and is retired once known complete. A free
+made while a generation is unretired may still be read or written by that step on the device,
+so it is parked under the newest unretired generation and returned when that retires. With
+nothing unretired a free is immediate, which is all an outside caller of a pool ever sees.
 
-``StepFence`` hands out and retires generations; ``DeferredFrees`` is the parking list each pool
-keeps. A pool parks through ``fence.defer_gen`` and registers a release callback with
-``fence.attach``, so pools, the loops and the tree share the rule without an ambient mode.
+Each pool keeps a ``DeferredFrees``, parks through ``fence.defer_gen`` and registers its release
+with ``fence.attach``, so pools, the loops and the tree share the rule without an ambient mode.
 """
 
 from __future__ import annotations

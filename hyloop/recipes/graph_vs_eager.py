@@ -1,18 +1,11 @@
 """Graph-vs-eager regression: does the captured decode step compute exactly what eager computes?
 
-``hyloop regress [--config FILE ...] [key=value ...]`` (the recipe preset
-``hyloop/configs/recipes/graph_vs_eager.yaml`` when no ``--config`` is given) builds two engines
-from one config: the captured one as configured (``graphs.backend``, ``auto`` in the recipe
-preset) and the oracle with ``graphs.backend=eager``. Both run the same waves of requests: for
-every batch size N (by default one below, on and one above every bucket edge) and every sampling
-mode (greedy, then each seed of ``regress.seeds``), N requests with seeded random token-id
-prompts are added at once and stepped until done, so the decode batch really is N. Per bucket it
-reports requests, the exact-match rate, the largest |logit diff| before the first divergence,
-that first divergence (request, position), replays and fallbacks.
-
-Exit 0 when every token matches and the captured engine replayed its artifacts; 1 on any
-mismatch, on a silent fallback to eager (``eager_fallbacks > 0`` or ``graph_replays == 0``) or a
-recompile; bad input raises ``ValueError`` (the CLI exits 2).
+``hyloop regress`` (config: ``hyloop/configs/recipes/graph_vs_eager.yaml`` unless ``--config``)
+runs the captured engine as configured and an eager oracle over the same waves: for every batch
+size N (by default one below, on and one above each bucket edge) and sampling mode (greedy, then
+each seed), N seeded random prompts are added at once and stepped until done, so the decode batch
+really is N. Exit 0 when every token matches and the captured engine replayed its artifacts; 1 on
+a mismatch, a silent fallback to eager or a recompile; bad input raises ``ValueError`` (exit 2).
 """
 
 from __future__ import annotations
@@ -36,11 +29,12 @@ from hyloop.framework.config import (
     validate_config,
 )
 from hyloop.framework.llm import LLM
-from hyloop.framework.model_runner import resolve_backend, usable_buckets
 from hyloop.framework.sampling_params import SamplingParams
-from hyloop.graphs.buckets import pick_bucket
+from hyloop.graphs.capture import pick_bucket, resolve_backend, usable_buckets
+from hyloop.recipes.offline import default_checkpoint
 
 Perturb = Callable[[LLM], None]
+Outputs = tuple[list[list[int]], list[list[torch.Tensor]]]  # tokens and per-token logits
 COUNTERS = ("graph_replays", "eager_fallbacks", "recompiles")
 
 
@@ -49,9 +43,7 @@ class RegressSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    checkpoint: str | None = Field(
-        None, description="model under test; --model wins; null: default"
-    )
+    checkpoint: str | None = Field(None, description="model to test; --model wins; null: default")
     batch_sizes: list[int] | None = Field(None, description="waves; null: b-1, b, b+1 per bucket")
     prompt_len: tuple[int, int] = Field((4, 32), description="prompt lengths, inclusive range")
     max_tokens: int = Field(8, ge=2, description="tokens per request (>= 2: one decode step)")
@@ -66,9 +58,7 @@ class RegressSettings(BaseModel):
         lo, hi = self.prompt_len
         if not 1 <= lo <= hi:
             raise ValueError(f"prompt_len must be [min, max] with 1 <= min <= max, got {[lo, hi]}")
-        if self.batch_sizes is not None and (
-            not self.batch_sizes or any(n < 1 for n in self.batch_sizes)
-        ):
+        if self.batch_sizes is not None and (not self.batch_sizes or min(self.batch_sizes) < 1):
             raise ValueError(f"batch_sizes must be null or ints >= 1, got {self.batch_sizes}")
         if not self.greedy and not self.seeds:
             raise ValueError("nothing to run: greedy is false and seeds is empty")
@@ -141,11 +131,7 @@ def run_wave(
     return tokens, logits, delta
 
 
-def compare(
-    ids: list[str],
-    ref: tuple[list[list[int]], list[list[torch.Tensor]]],
-    got: tuple[list[list[int]], list[list[torch.Tensor]]],
-) -> dict[str, Any]:
+def compare(ids: list[str], ref: Outputs, got: Outputs) -> dict[str, Any]:
     """Exact tokens per request; logits compared up to and including the first divergence
     (past it the two runs decode different contexts)."""
     exact, max_diff, first = 0, 0.0, None
@@ -179,21 +165,15 @@ def _run_all(
     for m, (mode, temp, seed) in enumerate(modes):
         for n in sizes:
             wave_seed = settings.prompt_seed * 1_000_003 + n * 101 + m
-            if llm.parts.row_channels:  # multi-channel rows; tokens compared are row keys
-                vocab = llm.parts.channel_vocab_sizes
+            if llm.engine.derived.row_channels:  # multi-channel rows; tokens are row keys
+                vocab = list(llm.engine.derived.channel_vocab_sizes)
                 prompts: list[Any] = make_row_prompts(wave_seed, n, settings.prompt_len, vocab)
             else:
                 prompts = make_prompts(wave_seed, n, settings.prompt_len, llm.engine.vocab_size)
             # ignore_eos keeps every request alive to max_tokens, so the decode batch stays N.
-            params = [
-                SamplingParams(
-                    temperature=temp,
-                    max_tokens=settings.max_tokens,
-                    seed=None if seed is None else seed * 100_003 + i,
-                    ignore_eos=True,
-                )
-                for i in range(n)
-            ]
+            fixed = {"temperature": temp, "max_tokens": settings.max_tokens, "ignore_eos": True}
+            seeds = [None if seed is None else seed * 100_003 + i for i in range(n)]
+            params = [SamplingParams(**fixed, seed=s) for s in seeds]
             tag = f"{mode}-b{n}"
             tokens, logits, delta = run_wave(llm, tag, prompts, params)
             ids = [f"{tag}-{i}" for i in range(n)]
@@ -204,23 +184,17 @@ def _run_all(
 
 
 def regress(
-    cfg: EngineConfig,
-    settings: RegressSettings,
-    model: str | Path,
-    perturb: Perturb | None = None,
+    cfg: EngineConfig, settings: RegressSettings, model: str | Path, perturb: Perturb | None = None
 ) -> dict[str, Any]:
     """Run the eager oracle and the captured engine over the same waves; the report as a dict.
-
-    ``perturb`` is applied to the captured ``LLM`` right after it is built (a test hook to prove
-    the recipe catches a wrong captured step).
-    """
+    ``perturb`` is a test hook: it alters the captured ``LLM`` to prove a wrong step is caught."""
     backend = resolve_backend(cfg.graphs.backend, torch.device(cfg.device))
     if backend == "eager":
         raise ValueError(
             "graphs.backend: got 'eager'; the captured run needs auto, compile or cuda_graph"
         )
     with LLM(model=model, config=cfg, overrides=["graphs.backend=eager"]) as oracle:
-        max_running = oracle.parts.max_running
+        max_running = oracle.engine.derived.max_running
         buckets = usable_buckets(cfg.graphs.buckets, max_running)
         sizes = batch_sizes(settings, buckets)
         if sizes[-1] > max_running:
@@ -228,8 +202,7 @@ def regress(
                 f"regress.batch_sizes: wave of {sizes[-1]} requests exceeds "
                 f"scheduler.max_running_requests={max_running}; the decode batch could not be N"
             )
-        longest = settings.prompt_len[1] + settings.max_tokens
-        if longest > oracle.engine.max_context:
+        if settings.prompt_len[1] + settings.max_tokens > oracle.engine.max_context:
             # A clipped request would finish early and shrink its wave's decode batch.
             raise ValueError(
                 f"regress.prompt_len / max_tokens: prompts up to {settings.prompt_len[1]} plus "
@@ -241,16 +214,15 @@ def regress(
         if perturb is not None:
             perturb(captured)
         got = _run_all(captured, settings, sizes, backend)
-        graph_report = captured.engine.runner.graph_report()
-    runner_buckets = buckets
+        graph_report = captured.graphs.report()
     waves = []
     for r, g in zip(ref, got, strict=True):
         n, delta = len(r["ids"]), g["delta"]
-        b = pick_bucket(runner_buckets, n)
+        b = pick_bucket(buckets, n)
         wave = {
             "batch": n,
             "mode": r["mode"],
-            "bucket": str(b) if b is not None else f">{runner_buckets[-1]}",
+            "bucket": str(b) if b is not None else f">{buckets[-1]}",
             **compare(r["ids"], r["out"], g["out"]),
             **{k: delta[k] for k in COUNTERS},
             "decode_batch": delta["decode_tokens"] / max(1, delta["decode_steps"]),
@@ -262,7 +234,7 @@ def regress(
         "device": cfg.device,
         "dtype": cfg.dtype,
         "page_size": cfg.kv_pool.page_size,
-        "buckets": runner_buckets,
+        "buckets": buckets,
         "batch_sizes": sizes,
         "modes": [m for m, _, _ in _modes(settings)],
         "max_tokens": settings.max_tokens,
@@ -281,16 +253,13 @@ def _per_bucket(waves: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row = rows.setdefault(
             w["bucket"],
             {"bucket": w["bucket"], "batch_sizes": [], "requests": 0, "exact": 0,
-             "max_logit_diff": 0.0, "first_divergence": None,
-             **dict.fromkeys(COUNTERS, 0)},
+             "max_logit_diff": 0.0, "first_divergence": None, **dict.fromkeys(COUNTERS, 0)},
         )  # fmt: skip
         if w["batch"] not in row["batch_sizes"]:
             row["batch_sizes"].append(w["batch"])
-        row["requests"] += w["requests"]
-        row["exact"] += w["exact"]
-        row["max_logit_diff"] = max(row["max_logit_diff"], w["max_logit_diff"])
-        for k in COUNTERS:
+        for k in ("requests", "exact", *COUNTERS):
             row[k] += w[k]
+        row["max_logit_diff"] = max(row["max_logit_diff"], w["max_logit_diff"])
         first, seen = w["first"], row["first_divergence"]
         if first is not None and (seen is None or first["position"] < seen["position"]):
             row["first_divergence"] = first
@@ -303,8 +272,7 @@ def _failures(waves: list[dict[str, Any]], settings: RegressSettings) -> list[st
     out = []
     for w in waves:
         where = f"bucket {w['bucket']}, batch {w['batch']}, {w['mode']}"
-        if w["first"] is not None:
-            f = w["first"]
+        if (f := w["first"]) is not None:
             out.append(
                 f"{where}: {w['requests'] - w['exact']}/{w['requests']} requests differ; first "
                 f"at {f['request']} position {f['position']} (eager {f['eager']}, "
@@ -353,8 +321,6 @@ def run_regress(args: argparse.Namespace, perturb: Perturb | None = None) -> int
     cfg, settings = load_recipe(files, args.overrides)
     model = args.model or settings.checkpoint or cfg.model.path
     if model is None:
-        from hyloop.recipes.offline import default_checkpoint
-
         model = default_checkpoint()
     report = regress(cfg, settings, model, perturb)
     print(render_report(report))

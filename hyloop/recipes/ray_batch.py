@@ -1,15 +1,12 @@
 """Offline generation over Ray Data: one engine per actor, rows sharded by prompt prefix.
 
 ``EngineReplica`` is a callable class for ``Dataset.map_batches``: each actor builds one engine
-and turns a numpy batch with ``prompt`` / ``prompt_token_ids`` / ``messages`` and the JSONL
-sampling fields into the same batch plus ``text``, ``token_ids``, ``finish_reason``,
-``num_cached_tokens``, ``num_prompt_tokens`` and ``error``. ``generate_dataset`` runs a dataset
-through ``replicas`` of them. With ``ray.prefix_affinity`` (the default) rows sharing their first
-page-aligned block of tokens go to one replica (see ``prefix_shards``), so each shared prefix is
-computed once and not once per replica; without it Ray splits the rows as it always does.
+and adds ``OUTPUT_TYPES`` columns to a batch of prompt and sampling fields. With
+``ray.prefix_affinity`` (the default) rows sharing their first page-aligned block of tokens go to
+one replica (see ``prefix_shards``), so a shared prefix is computed once, not once per replica.
 
-The recipe's own keys live under ``ray.`` in the config or the overrides and are taken off
-before the engine config is validated; the engine knows nothing of Ray.
+The recipe's keys live under ``ray.`` and are taken off before the engine config is validated:
+the engine knows nothing of Ray.
 """
 
 from __future__ import annotations
@@ -34,12 +31,7 @@ from hyloop.framework.config import ConfigError, EngineConfig, merge_config, val
 from hyloop.framework.llm import LLM
 from hyloop.framework.sampling_params import SamplingParams
 from hyloop.models.loader import load_tokenizer
-from hyloop.recipes.offline import (
-    default_checkpoint,
-    read_jsonl,
-    row_params,
-    row_prompt,
-)
+from hyloop.recipes.offline import default_checkpoint, read_jsonl, row_params, row_prompt
 from hyloop.recipes.prefix_shards import ShardPlan, key_block, plan_shards
 from hyloop.recipes.ray_blocks import (
     REQUEST,
@@ -51,6 +43,7 @@ from hyloop.recipes.ray_blocks import (
     regroup,
 )
 
+ConfigSource = str | Path | list[str | Path] | dict[str, Any] | None  # YAML path(s) or a dict
 OUTPUT_TYPES = {  # the columns a replica adds, with their Arrow types
     "text": pa.string(),
     "token_ids": pa.list_(pa.int64()),
@@ -76,11 +69,10 @@ class RaySection(BaseModel):
 
 
 def split_config(
-    config: str | Path | list[str | Path] | dict[str, Any] | None,
-    overrides: list[str] | None = None,
+    config: ConfigSource, overrides: list[str] | None = None
 ) -> tuple[EngineConfig, RaySection]:
-    """``config`` (YAML path(s) or a possibly partial dict, over the defaults) and dotlist
-    ``overrides``, split into the engine config and the recipe's ``ray.`` keys."""
+    """``config`` (YAML path(s) or a partial dict, over the defaults) and dotlist ``overrides``,
+    split into the engine config and the recipe's ``ray.`` keys."""
     if isinstance(config, dict):
         data = merge_config(None, overrides, base=config)
     else:
@@ -98,15 +90,14 @@ def split_config(
 class EngineReplica:
     """One engine per actor, for ``ds.map_batches(EngineReplica, fn_constructor_kwargs=...)``.
 
-    ``config``: an ``EngineConfig``, YAML path(s) or a dict (``ray.`` keys are ignored here).
-    A row that cannot run (bad prompt, bad sampling field) fails alone: its ``error`` names its
-    index (``ROW`` when the batch carries it, else its place in the batch) and
-    ``finish_reason`` is ``"error"``; the other rows of the batch still run.
+    ``config``: an ``EngineConfig``, YAML path(s) or a dict (``ray.`` keys are ignored here). A
+    row that cannot run fails alone, with ``finish_reason`` ``"error"`` and an ``error`` naming
+    its index (``ROW`` when the batch carries it, else its place in the batch).
     """
 
     def __init__(
         self,
-        config: EngineConfig | str | Path | list[str | Path] | dict[str, Any] | None = None,
+        config: EngineConfig | ConfigSource = None,
         overrides: list[str] | None = None,
     ) -> None:
         if isinstance(config, EngineConfig):
@@ -119,9 +110,9 @@ class EngineReplica:
         self.defaults = self.llm.engine.default_params()
 
     def __call__(self, batch: dict[str, np.ndarray] | pa.Table) -> dict[str, np.ndarray] | pa.Table:
-        """A numpy batch in, a numpy batch out; or an Arrow table (``batch_format="pyarrow"``,
-        which ``generate_dataset`` uses: other columns then pass through untouched, and the
-        added ones have one Arrow type whatever the batch holds)."""
+        """A numpy batch or an Arrow table in, the same kind out. ``generate_dataset`` passes
+        tables: other columns pass through untouched, and the added ones get one Arrow type
+        whatever the batch holds."""
         if isinstance(batch, pa.Table):
             names = [f for f in (REQUEST, ROW, *REQUEST_FIELDS) if f in batch.column_names]
             results = self.run({f: batch.column(f).to_pylist() for f in names}, batch.num_rows)
@@ -239,10 +230,7 @@ def _replica_map(
 
 
 def generate_rows(
-    ds: ray.data.Dataset,
-    config: str | Path | list[str | Path] | dict[str, Any] | None,
-    overrides: list[str] | None,
-    replicas: int,
+    ds: ray.data.Dataset, config: ConfigSource, overrides: list[str] | None, replicas: int
 ) -> ray.data.Dataset:
     """The generated rows, each with ``ROW`` (its index in ``ds``), in the order they finish:
     a lazy dataset whose blocks stream out as replicas complete their batches."""
@@ -250,23 +238,21 @@ def generate_rows(
         raise ValueError(f"replicas: got {replicas}; expected an int >= 1")
     engine_cfg, opts = split_config(config, overrides)
     blocks = indexed_blocks(ds)
-    if opts.prefix_affinity:
-        shards, plan = shard_by_prefix(blocks, engine_cfg, opts, replicas)
-        # One single-actor pool per shard pins each shard to its own replica.
-        outs = [
-            _replica_map(shard, engine_cfg, opts, 1)
-            for shard, size in zip(shards, plan.sizes, strict=True)
-            if size
-        ]
-        out = outs[0].union(*outs[1:]) if len(outs) > 1 else outs[0]
-    else:
-        out = _replica_map(ray.data.from_arrow_refs(blocks), engine_cfg, opts, replicas)
-    return out
+    if not opts.prefix_affinity:
+        return _replica_map(ray.data.from_arrow_refs(blocks), engine_cfg, opts, replicas)
+    shards, plan = shard_by_prefix(blocks, engine_cfg, opts, replicas)
+    # One single-actor pool per shard pins each shard to its own replica.
+    outs = [
+        _replica_map(shard, engine_cfg, opts, 1)
+        for shard, size in zip(shards, plan.sizes, strict=True)
+        if size
+    ]
+    return outs[0].union(*outs[1:]) if len(outs) > 1 else outs[0]
 
 
 def generate_dataset(
     ds: ray.data.Dataset,
-    config: str | Path | list[str | Path] | dict[str, Any] | None = None,
+    config: ConfigSource = None,
     overrides: list[str] | None = None,
     replicas: int = 1,
 ) -> ray.data.Dataset:
@@ -292,8 +278,7 @@ def init_ray(address: str | None) -> None:
 
 def run_generate_ray(args: argparse.Namespace) -> int:
     """``hyloop generate --ray N``: the JSONL rows through N replicas, written in input order.
-    Rows that fail are written with their ``error`` and named on stderr; the exit code is then
-    1."""
+    Rows that fail are written with their ``error`` and named on stderr, and the exit code is 1."""
     if args.ray < 1:
         raise ValueError(f"--ray: got {args.ray}; expected a number of replicas >= 1")
     if not args.input:
@@ -313,8 +298,7 @@ def run_generate_ray(args: argparse.Namespace) -> int:
     ds = ray.data.from_items(requests, override_num_blocks=max(1, len(requests) // opts.batch_size))
     out = generate_rows(ds, args.config or None, overrides, args.ray)
     results: list[dict[str, Any]] = [{} for _ in numbered]
-    bar = tqdm(total=len(results), desc="rows", unit="row", disable=args.no_progress)
-    with bar:
+    with tqdm(total=len(results), desc="rows", unit="row", disable=args.no_progress) as bar:
         for batch in out.select_columns([ROW, *OUTPUT_TYPES]).iter_batches(
             batch_size=None, batch_format="pyarrow"
         ):
@@ -322,15 +306,14 @@ def run_generate_ray(args: argparse.Namespace) -> int:
                 results[row[ROW]] = row
             bar.update(batch.num_rows)
     failed = 0
+    shown = ("text", "token_ids", "finish_reason", "num_cached_tokens")  # the fields rows gain
     sink = open(args.output, "w") if args.output else sys.stdout  # noqa: SIM115
     try:
         for (n, row), result in zip(numbered, results, strict=True):
+            rec = {**row, **{f: result[f] for f in shown}}
             if result["error"] is not None:
                 failed += 1
                 print(f"hyloop: error: {args.input}:{n}: {result['error']}", file=sys.stderr)
-            rec = {**row, **{f: result[f] for f in ("text", "token_ids", "finish_reason")}}
-            rec["num_cached_tokens"] = result["num_cached_tokens"]
-            if result["error"] is not None:
                 rec["error"] = result["error"]
             sink.write(json.dumps(rec) + "\n")
     finally:

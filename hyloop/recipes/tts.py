@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from hyloop.framework.tts import TTSEngine, TTSParams
 from hyloop.recipes.offline import read_json_lines
+from hyloop.tts import TTSEngine, TTSParams
 
 ROW_FIELDS = ("rows", "rows_npy")  # a request gives exactly one
 

@@ -1,12 +1,10 @@
 """``hyloop warmup``: compile (or capture) the artifacts a config will use, before a job needs them.
 
-Every (batch bucket, ``kv_len`` bucket) that contexts of up to ``--kv-len`` tokens use is
-captured with the config's captured backend (``auto``: compile on CPU, cuda_graph on CUDA),
-which fills inductor's on-disk cache under ``$HYLOOP_CACHE_DIR``; each artifact's replay and the
-eager step are timed on it, and one artifact is captured a second time with Dynamo reset, as a
-new process would find it. All of it goes into this machine's step history, so
-``graphs.backend=auto`` later plans from measured step times and warm capture costs rather than
-from defaults.
+Every (batch, ``kv_len``) bucket that contexts of up to ``--kv-len`` tokens use is captured with
+the config's backend (``auto``: compile on CPU, cuda_graph on CUDA), filling inductor's on-disk
+cache under ``$HYLOOP_CACHE_DIR``. Replays and eager steps are timed, and one artifact is captured
+again with Dynamo reset, as a new process would find it; all of it goes into this machine's step
+history, so ``graphs.backend=auto`` later plans from measurements rather than defaults.
 """
 
 from __future__ import annotations
@@ -21,8 +19,7 @@ from tqdm import tqdm
 
 from hyloop.framework.config import load_config
 from hyloop.framework.llm import LLM
-from hyloop.framework.model_runner import resolve_backend
-from hyloop.graphs.buckets import ArtifactKey
+from hyloop.graphs.capture import ArtifactKey, resolve_backend
 
 
 def warmup(
@@ -34,39 +31,27 @@ def warmup(
         raise ValueError("graphs.backend=eager: nothing to warm up (auto, compile or cuda_graph)")
     rows: list[dict[str, Any]] = []
     with LLM(model=model, config=config, overrides=[f"graphs.backend={backend}"]) as llm:
-        runner = llm.engine.runner
-        graphs, history = runner.graph_runner, runner.history
-        assert graphs is not None and history is not None
-        top = graphs.kv_bucket(kv_len) or graphs.kv_len_buckets[-1]  # contexts up to kv_len
-        kv_buckets = [k for k in graphs.kv_len_buckets if k <= top]
-        keys = [ArtifactKey(b, kv) for kv in kv_buckets for b in graphs.buckets]
-        if runner.before_capture is not None:
-            runner.before_capture(keys)
+        graphs = llm.graphs
+        top = graphs.runner.kv_bucket(kv_len) or graphs.kv_len_buckets[-1]  # contexts up to kv_len
+        keys = [
+            ArtifactKey(b, kv) for kv in graphs.kv_len_buckets if kv <= top for b in graphs.buckets
+        ]
         bar = tqdm(keys, desc=f"warmup ({backend})", unit="artifact", disable=not progress)
         for key in bar:
             bar.set_postfix_str(f"batch {key.batch} kv_len {key.kv_len}")
-            t0 = time.perf_counter()
-            replays, eager = graphs.time_key(key)
-            capture = graphs.capture_times.get(key, time.perf_counter() - t0)
-            history.record_capture(backend, (key.batch, key.kv_len), capture)
-            for t in replays:
-                history.record_step(backend, key.batch, t)
-            for t in eager:
-                history.record_step("eager", key.batch, t)
+            replays, eager = graphs.time(key)
             rows.append(
                 {
                     "batch": key.batch,
                     "kv_len": key.kv_len,
-                    "capture_s": round(capture, 2),
+                    "capture_s": round(graphs.runner.capture_times[key], 2),
                     "captured_ms": round(1e3 * statistics.median(replays), 3),
                     "eager_ms": round(1e3 * statistics.median(eager), 3),
                 }
             )
         # What a later process pays for an artifact now in inductor's cache.
-        again = graphs.recapture(keys[0])
-        history.record_capture(backend, (keys[0].batch, keys[0].kv_len), again)
-        rows[0]["warm_capture_s"] = round(again, 2)
-        history.save()
+        rows[0]["warm_capture_s"] = round(graphs.recapture(keys[0]), 2)
+        graphs.job_done()  # keeps the figures in this machine's step history
     return rows
 
 

@@ -37,22 +37,22 @@ class CaptureLog:
     """Counts the decode steps a runner executes and when each artifact was built."""
 
     def __init__(self, llm: LLM) -> None:
-        runner = llm.engine.runner
+        graphs = llm.graphs
         self.decode_steps = 0
         self.builds: list[tuple[int, int]] = []  # (kv_len bucket, decode steps run before it)
-        execute, build = runner.execute, runner.graph_runner._build
+        execute, build = graphs.run, graphs.runner._build
 
-        def counted(prepared: Any, *args: Any, **kwargs: Any) -> Any:
-            out = execute(prepared, *args, **kwargs)
-            self.decode_steps += prepared.batch.is_decode
+        def counted(batch: Any, *args: Any, **kwargs: Any) -> Any:
+            out = execute(batch, *args, **kwargs)
+            self.decode_steps += batch.is_decode
             return out
 
         def logged(key: Any, static: Any) -> Any:
             self.builds.append((key.kv_len, self.decode_steps))
             return build(key, static)
 
-        runner.execute = counted
-        runner.graph_runner._build = logged
+        graphs.run = counted
+        graphs.runner._build = logged
 
 
 @pytest.mark.slow
@@ -64,7 +64,7 @@ def test_auto_captures_what_pays_before_the_first_decode_step(
 ) -> None:
     monkeypatch.setenv("HYLOOP_CACHE_DIR", str(tmp_path))
     with LLM(model=tiny_ckpts["llama"], overrides=["graphs.backend=auto", *BASE]) as llm:
-        runner = llm.engine.runner
+        runner = llm.graphs
         assert runner.auto and runner.backend == "compile"
         # This machine's history says eager steps are slow and compiles cheap: capture pays.
         assert runner.history is not None
@@ -114,7 +114,7 @@ def test_warmup_captures_times_and_keeps_a_configs_artifacts(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     from hyloop.cli import main
-    from hyloop.graphs.history import StepHistory
+    from hyloop.graphs.capture.history import StepHistory
 
     monkeypatch.setenv("HYLOOP_CACHE_DIR", str(tmp_path))
     # As in a new process: inductor's directory not chosen yet (earlier tests chose one).
@@ -133,5 +133,5 @@ def test_warmup_captures_times_and_keeps_a_configs_artifacts(
     assert any((tmp_path / "inductor").iterdir())  # inductor's cache lives under ours
     # An auto engine of the same config reads these figures.
     with LLM(model=model, overrides=["graphs.backend=auto", *args]) as llm:
-        est = llm.engine.runner.estimates()
+        est = llm.graphs.estimates()
         assert est.measured and est.captures.keys() == captures.keys()

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hyloop import LLM, SamplingParams
-from hyloop.framework.device_clock import DeviceClock
+from hyloop.framework.stats import DeviceClock
 
 
 class FakeTimeline:

@@ -125,7 +125,7 @@ def test_requests_added_from_a_thread_while_stepping(tiny_ckpts: dict[str, Path]
         t.join()
         assert not errors
         assert done == {f"r{i}" for i in range(n)}
-        assert eng.kv_alloc.pending_size() == 0
+        assert eng.cache.kv.pending_size() == 0
 
 
 @pytest.mark.parametrize("during", [False, True])

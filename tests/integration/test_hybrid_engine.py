@@ -156,8 +156,8 @@ def test_randomized_workload_ledger(hybrid_ckpts, page_size: int) -> None:
             step += 1
         assert len(finished) == 300
         # Everything is back: free, or owned by the tree.
-        free = eng.kv_alloc.available_size()
-        assert free + eng.cache.total_size() == eng.kv_alloc.capacity
-        rec = eng.memory.recurrent
-        assert rec.available_size() + eng.cache.total_size("recurrent") == rec.capacity
+        free = eng.cache.kv.available_size()
+        assert free + eng.cache.tree.total_size() == eng.cache.kv.capacity
+        rec = eng.cache.recurrent
+        assert rec.available_size() + eng.cache.tree.total_size("recurrent") == rec.capacity
         assert any(o.finish_reason == "abort" for o in finished.values())

@@ -24,8 +24,8 @@ def test_a_failed_launch_is_abandoned_cleanly(
     ]
     with LLM(model=tiny_ckpts["llama"], overrides=overrides) as llm:
         eng = llm.engine
-        runner = eng.runner
-        real = runner.execute
+        graphs = eng.graphs
+        real = graphs.run
         calls = 0
 
         def execute(*args: Any, **kwargs: Any) -> Any:
@@ -35,7 +35,7 @@ def test_a_failed_launch_is_abandoned_cleanly(
                 raise RuntimeError("injected launch failure")
             return real(*args, **kwargs)
 
-        runner.execute = execute  # type: ignore[method-assign]
+        graphs.run = execute  # type: ignore[method-assign]
         for i in range(3):
             eng.add_request(f"r{i}", [5 + i, 6, 7, 8, 9], SamplingParams(max_tokens=8))
         failed = 0
@@ -51,8 +51,8 @@ def test_a_failed_launch_is_abandoned_cleanly(
             eng.check_invariants()
             assert len(eng.pipeline.unresolved()) <= 2
         assert failed == 1 and done == {"r0", "r1", "r2"}
-        assert not eng.pipeline.unresolved() and eng.parts.fence.idle
-        assert eng.kv_alloc.pending_size() == 0
+        assert not eng.pipeline.unresolved() and eng.pipeline.fence.idle
+        assert eng.scheduler.cache.kv.pending_size() == 0
         eng.check_invariants()
         # The engine still serves: a new request runs to its end.
         out = llm.generate(

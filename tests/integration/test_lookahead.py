@@ -24,9 +24,8 @@ import pytest
 import torch
 
 from hyloop import LLM, SamplingParams
-from hyloop.framework.batch import Batch
 from hyloop.framework.engine import Engine
-from hyloop.framework.request import RequestOutput
+from hyloop.framework.requests import Batch, RequestOutput
 
 EOS = 2
 
@@ -103,14 +102,14 @@ def drive(
 ) -> Run:
     """Add ``jobs``, step until done, abort on schedule, check the ledger every few steps."""
     run = Run()
-    real_evict = eng.cache.evict
+    real_evict = eng.cache.tree.evict
 
     def counting_evict(params: Any) -> Any:
         r = real_evict(params)
         run.evicted_tokens += r.num_tokens_evicted
         return r
 
-    eng.cache.evict = counting_evict  # type: ignore[method-assign]
+    eng.cache.tree.evict = counting_evict  # type: ignore[method-assign]
     pending = {j.rid: j.abort_at for j in jobs if j.abort_at is not None}
     for j in jobs:
         eng.add_request(j.rid, j.prompt, j.params)
@@ -138,7 +137,7 @@ def drive(
                 run.max_waiting_while_running = max(run.max_waiting_while_running, waiting)
             assert run.steps < 20_000, "the engine does not make progress"
     finally:
-        eng.cache.evict = real_evict  # type: ignore[method-assign]
+        eng.cache.tree.evict = real_evict  # type: ignore[method-assign]
     eng.check_invariants()
     run.stats = eng.stats()
     return run
@@ -161,13 +160,13 @@ def assert_same_outputs(sync: Run, la: Run, jobs: list[Job]) -> None:
 
 def ledger_is_closed(eng: Engine) -> None:
     """Every page and slot is free or owned by the tree; nothing left pending."""
-    alloc = eng.kv_alloc
+    alloc = eng.cache.kv
     assert alloc.pending_size() == 0
-    assert alloc.available_size() + eng.cache.total_size() == alloc.capacity
-    rec = eng.memory.recurrent
+    assert alloc.available_size() + eng.cache.tree.total_size() == alloc.capacity
+    rec = eng.cache.recurrent
     if rec is not None:
         assert rec.pending_size() == 0
-        assert rec.available_size() + eng.cache.total_size("recurrent") == rec.capacity
+        assert rec.available_size() + eng.cache.tree.total_size("recurrent") == rec.capacity
 
 
 # -- lookahead on == off ---------------------------------------------------------------------------
@@ -242,7 +241,7 @@ def test_compile_outputs_match_sync(tiny_ckpts: dict[str, Path]) -> None:
 def tree_paths(eng: Engine) -> list[bytes]:
     """Packed token ids of every root-to-leaf path of the UHRC."""
     paths: list[bytes] = []
-    stack = [(child, b"") for child in eng.cache.root.children.values()]
+    stack = [(child, b"") for child in eng.cache.tree.root.children.values()]
     while stack:
         node, prefix = stack.pop()
         path = prefix + node.key
@@ -356,7 +355,7 @@ def test_stress_hybrid_ledger(hybrid_ckpts: dict[str, Path]) -> None:
         eng = llm.engine
         run = drive_with_step_aborts(eng, jobs, aborts)
         ledger_is_closed(eng)
-        assert eng.cache.total_size("recurrent") > 0  # snapshots were committed and kept
+        assert eng.cache.tree.total_size("recurrent") > 0  # snapshots were committed and kept
         assert_tree_holds_only_returned_tokens(eng, run.outputs)
     assert len(run.outputs) == len(jobs)
     assert_outputs_respect_limits(jobs, run.outputs)
@@ -388,7 +387,7 @@ def launch_decode(eng: Engine, n: int) -> None:
 def inflight_decode(eng: Engine) -> Batch | None:
     """The batch of the oldest launched decode step not yet resolved."""
     assert eng.lookahead_enabled
-    batches = [p.step.batch for p in eng.pipeline.unresolved()]
+    batches = [p.batch for p in eng.pipeline.unresolved()]
     return next((b for b in batches if b.is_decode), None)
 
 
@@ -397,9 +396,9 @@ def read_page_slot(eng: Engine) -> int:
     batch = inflight_decode(eng)
     assert batch is not None
     chunk = batch.chunks[0]
-    req = chunk.req
-    assert req.slots is not None and chunk.start >= req.own_from
-    return int(req.slots[chunk.start])
+    lease = chunk.req.lease
+    assert lease is not None and chunk.start >= lease.own_from
+    return int(lease.slots[chunk.start])
 
 
 def test_page_freed_under_a_launched_step_is_caught(tiny_ckpts: dict[str, Path]) -> None:
@@ -407,7 +406,7 @@ def test_page_freed_under_a_launched_step_is_caught(tiny_ckpts: dict[str, Path])
         eng = llm.engine
         launch_decode(eng, 3)
         # Bypass the deferral: a free outside the fence puts the page straight on the free list.
-        alloc = eng.kv_alloc
+        alloc = eng.cache.kv
         fence, alloc.fence = alloc.fence, None
         alloc.free(torch.tensor([read_page_slot(eng)]))
         alloc.fence = fence
@@ -424,10 +423,10 @@ def test_pending_flushed_early_is_caught(tiny_ckpts: dict[str, Path]) -> None:
         victim = batch.chunks[0].req
         # The normal path: an abort during flight parks the request's pages as pending-free.
         eng.abort_request(victim.request_id)
-        assert eng.kv_alloc.pending_size() > 0
+        assert eng.cache.kv.pending_size() > 0
         eng.check_invariants()
         # Releasing them before the launched step completed is the bug the check exists for.
-        eng.kv_alloc.flush_pending()
+        eng.cache.kv.flush_pending()
         with pytest.raises(AssertionError, match="still reads it"):
             eng.check_invariants()
 
@@ -437,12 +436,12 @@ def test_abort_during_flight_is_deferred_and_clean(tiny_ckpts: dict[str, Path]) 
         eng = llm.engine
         launch_decode(eng, 3)
         eng.abort_request("e1")
-        pending = eng.kv_alloc.pending_size()
+        pending = eng.cache.kv.pending_size()
         assert pending > 0
         eng.check_invariants()
         eng.step()  # resolves the step that still read e1's pages: they become free
         eng.check_invariants()
-        assert eng.kv_alloc.pending_size() < pending
+        assert eng.cache.kv.pending_size() < pending
         while eng.has_unfinished_requests():
             eng.step()
             eng.check_invariants()

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from hyloop import LLM, SamplingParams
-from hyloop.framework.request import RequestOutput
+from hyloop.framework.requests import RequestOutput
 
 
 def drive(llm: LLM, kind: str) -> list[RequestOutput]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -17,8 +16,9 @@ import torch
 from hyloop import LLM, SamplingParams
 from hyloop.cache import EvictParams, EvictResult, MatchPrefixParams, RadixKey, UnifiedRadixCache
 from hyloop.framework.config import ConfigError, load_config
-from hyloop.framework.position_independent import PositionIndependentReuse
+from hyloop.framework.reuse import PositionIndependentReuse
 from hyloop.framework.summary import render_summary
+from hyloop.models.contract import ModelContract
 from hyloop.models.kv_shift import KVShifter, shifter_for
 from hyloop.models.layers.rope import RopeSpec
 from hyloop.pools import KVPool
@@ -59,10 +59,10 @@ def variant_ckpt(base: Path, root: Path, name: str) -> Path:
 
 def tree_kv(llm: LLM, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer-0 K and V the tree holds for ``ids`` (all of it must be cached)."""
-    cache = llm.engine.cache
+    cache = llm.engine.cache.tree
     m = cache.match_prefix(MatchPrefixParams(key=RadixKey(ids), full_only=True))
     assert m.prefix_len == len(ids)
-    kv = llm.engine.parts.kv_pool
+    kv = llm.engine.kind.pools.kv
     return kv.k[0][m.device_indices].clone(), kv.v[0][m.device_indices].clone()
 
 
@@ -139,7 +139,7 @@ def test_forced_collisions_change_nothing(tiny_ckpts) -> None:
     runs = []
     for force in (False, True):
         with LLM(model=tiny_ckpts["llama"], overrides=PI) as llm:
-            index = llm.engine.memory.pi.index
+            index = llm.engine.cache.reuse.index
             index.force_collisions, index.max_donors_per_key = force, 1000
             llm.generate(register, ONE, use_tqdm=False)
             outs = llm.generate(queries, params, use_tqdm=False)
@@ -158,10 +158,9 @@ def test_reuse_is_off_by_default_and_refused_where_kv_cannot_move(hybrid_ckpts, 
     with pytest.raises(ValueError, match="recurrent layers"):
         LLM(model=hybrid_ckpts["qwen3_5"], overrides=PI)
     # Sliding-window attention: refused by the model check and by the cache's components.
-    windowed = torch.nn.Module()
-    windowed.spec = SimpleNamespace(sliding_window=512, rope=RopeSpec(10000.0, 32))
+    windowed = ModelContract((512, None), 1, 32, 256, 2048, rope=RopeSpec(10000.0, 32))
     with pytest.raises(ValueError, match="sliding-window layers"):
-        shifter_for(windowed)
+        shifter_for(windowed, "windowed")
     kv = KVPool(1, 8, 1, 1, 32, torch.float32, "cpu")
     swa = UnifiedRadixCache(kv.allocator, components=("full", "swa"), sliding_window=64)
     section = load_config().cache.position_independent
@@ -184,14 +183,14 @@ def test_randomized_ledger_with_eviction_and_aborts(tiny_ckpts, lookahead: bool)
         engine = llm.engine
         live: list[str] = []
         evicted: list[int] = []
-        evict = engine.cache.evict
+        evict = engine.cache.tree.evict
 
         def counting_evict(params: EvictParams) -> EvictResult:
             result = evict(params)
             evicted.append(result.num_tokens_evicted)
             return result
 
-        engine.cache.evict = counting_evict  # type: ignore[method-assign]
+        engine.cache.tree.evict = counting_evict  # type: ignore[method-assign]
         for i in range(40):
             if rng.random() < 0.6:
                 parts = [docs[j] for j in rng.choice(6, 2, replace=False)]
@@ -212,6 +211,6 @@ def test_randomized_ledger_with_eviction_and_aborts(tiny_ckpts, lookahead: bool)
         assert stats["reused_tokens"] > 500
         assert stats["requests_aborted"] > 0
         assert sum(evicted) > 1000  # the pool was too small: donors were evicted under reuse
-        held = engine.cache.total_size() + engine.kv_alloc.available_size()
-        assert held == engine.kv_alloc.capacity
+        held = engine.cache.tree.total_size() + engine.cache.kv.available_size()
+        assert held == engine.cache.kv.capacity
         assert f"reused tokens {stats['reused_tokens']} " in render_summary(llm)

@@ -101,7 +101,7 @@ def test_row_model_captured_equals_eager(row_ckpt: Path, tmp_path: Path, page_si
 def flip_captured_tokens(llm: LLM) -> None:
     """Shift every captured logit row at output position 1 (tokens unchanged: sampling is
     shift-invariant) and flip the captured token at position 2. The eager engine is untouched."""
-    runner = llm.engine.runner.graph_runner
+    runner = llm.graphs.runner
     assert runner is not None
     replay = runner.run
     vocab = llm.engine.vocab_size

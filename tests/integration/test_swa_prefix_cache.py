@@ -61,7 +61,7 @@ def test_shared_prefix_longer_than_the_window_hits_and_matches_cache_off(
         expected = [run(llm, p)[0] for p in prompts]
     with LLM(model=ckpt, overrides=overrides(page_size, cache=True)) as llm:
         got = [run(llm, p) for p in prompts]
-        assert llm.engine.cache.total_size("swa") > 0
+        assert llm.engine.cache.tree.total_size("swa") > 0
     assert [tokens for tokens, _ in got] == expected
     # The second prompt shares 90 tokens: at least the chunk boundaries' windows (64) hit.
     assert got[1][1] >= 2 * CHUNK > WINDOW
@@ -79,7 +79,7 @@ def test_a_hit_whose_window_is_gone_is_shortened(ckpt: Path, page_size: int) -> 
     with LLM(model=ckpt, overrides=overrides(page_size, cache=True)) as llm:
         run(llm, first)
         run(llm, second)  # the shared prefix is now internal in the tree
-        cache = llm.engine.cache
+        cache = llm.engine.cache.tree
         key = RadixKey(third[:-1])
         before = cache.peek_prefix_len(key)
         assert before >= 2 * CHUNK
@@ -111,7 +111,7 @@ def test_randomized_ledger_with_aborts_and_swa_eviction(
     ]
     with LLM(model=ckpt, overrides=overrides(page_size, True, *extra)) as llm:
         engine = llm.engine
-        cache = engine.cache
+        cache = engine.cache.tree
         swa_evictions: list[int] = []
         evict = cache.evict
 
@@ -139,9 +139,9 @@ def test_randomized_ledger_with_aborts_and_swa_eviction(
         engine.check_invariants()
         assert sum(swa_evictions) > 0, "the small window pool never forced a SWA eviction"
         # Every page is free or the tree's, in both pools.
-        kv = engine.kv_alloc
+        kv = engine.cache.kv
         assert kv.available_size() + cache.total_size("full") == kv.capacity
-        swa = engine.swa_windows
+        swa = engine.cache.windows
         assert swa is not None
         alloc = swa.allocator
         assert alloc.available_size() + cache.total_size("swa") == alloc.capacity

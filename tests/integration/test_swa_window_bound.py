@@ -53,7 +53,7 @@ def test_sliding_kv_stays_within_the_window(
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     with LLM(model=ckpt, overrides=overrides(page_size, True, lookahead)) as llm:
         engine = llm.engine
-        windows = engine.swa_windows
+        windows = engine.cache.windows
         assert windows is not None
         for i, p in enumerate(prompts):
             engine.add_request(str(i), p, params)
@@ -63,7 +63,7 @@ def test_sliding_kv_stays_within_the_window(
             engine.step()
             steps += 1
             for req in engine.scheduler.running:
-                held = windows.held_tokens(req)
+                held = windows.held_tokens(req.request_id)
                 if req.num_computed > len(req.prompt_ids):  # its last step was a decode step
                     assert held <= WINDOW + page_size, (req.request_id, held)
                     peak_decode = max(peak_decode, held)
@@ -73,15 +73,15 @@ def test_sliding_kv_stays_within_the_window(
             engine.check_invariants()
         stats = engine.stats()
         # What is left in the window pool is the windows the tree keeps.
-        assert stats["kv_swa_tokens_used"] == engine.cache.total_size("swa") > 0
-        assert stats["kv_full_tokens_used"] == engine.cache.total_size("full")
+        assert stats["kv_swa_tokens_used"] == engine.cache.tree.total_size("swa") > 0
+        assert stats["kv_full_tokens_used"] == engine.cache.tree.total_size("full")
         pooled = [r.output_ids for r in reqs]
     assert steps > new_tokens
     assert peak_decode >= WINDOW  # the window was really held, not skipped
     assert all(len(out) == new_tokens for out in pooled)
     with LLM(model=ckpt, overrides=overrides(page_size, False, False)) as llm:
         full = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        assert llm.engine.swa_windows is None
+        assert llm.engine.cache.windows is None
     assert pooled == full
 
 
@@ -97,7 +97,7 @@ def test_reservations_follow_the_requests_own_chunk_and_shrink_when_decoding(ckp
     tight = [*overrides(1, True, False), "kv_pool.swa_num_pages=84", "cache.enable=false"]
     with LLM(model=ckpt, overrides=tight) as llm:
         engine = llm.engine
-        windows = engine.swa_windows
+        windows = engine.cache.windows
         assert windows is not None and windows.allocator.num_pages == 84
         assert windows.pages_per_request == 51  # the full-chunk worst case: 1 at a time
         for i, p in enumerate(prompts):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from pathlib import Path
 from typing import Any
@@ -324,7 +325,7 @@ def test_codec_chunks_decode_like_the_whole_sequence(moss_local_ckpts: dict[str,
 
 
 def test_the_frame_step_is_capture_safe(moss_local_ckpts: dict[str, Path]) -> None:
-    from hyloop.framework.batch import Batch, Chunk
+    from hyloop.framework.requests import Batch, Chunk
     from hyloop.graphs.safety import CaptureSafetyError, check_capture_safe
 
     with TTSEngine(moss_local_ckpts[CKPT], overrides=EAGER) as tts:
@@ -338,14 +339,14 @@ def test_the_frame_step_is_capture_safe(moss_local_ckpts: dict[str, Path]) -> No
         while len(running) < 2 or not all(r.prefill_done and r.output_ids for r in running):
             eng.step()
         batch = Batch([Chunk(r, r.total_len - 1, 1) for r in eng.scheduler.running], True)
-        runner = eng.runner
-        inputs = runner.inputs.decode(batch)
+        kind = eng.kind
+        inputs = dataclasses.replace(kind.build(batch), pools=kind.captured_pools)
         with torch.inference_mode():
-            out = check_capture_safe(runner.graph_step, inputs)
+            out = check_capture_safe(kind.step, inputs)
             assert out.next_rows is not None and out.next_rows.shape == (2, 4)
 
             def planted(inp: object) -> object:
-                res = runner.graph_step(inp)  # type: ignore[arg-type]
+                res = kind.step(inp)  # type: ignore[arg-type]
                 _ = bool(res.next_rows[0, 0] == END)  # a host sync
                 return res
 

@@ -2,17 +2,13 @@
 wherever it sits.
 
 A Gear rolling hash ``h_i = (h_{i-1} << 1) + g(t_i) mod 2**64`` forgets a token after 64 shifts,
-so ``h_i`` is the windowed sum ``sum_{k<64} g(t_{i-k}) << k``: computed here for all positions at
-once with 64 shifted adds. A chunk may end after token ``i`` when the top ``boundary_bits`` bits
-of ``h_i`` are zero; the top bits of the word depend on the whole 64-token window (bit ``j`` only
-sees the last ``j + 1`` tokens, so a low-bit mask would make a boundary depend on the last few
-tokens only). Chunks are clamped to ``[min_chunk, max_chunk]`` tokens; the first ``sink_tokens``
-positions are never chunked (attention sinks are not reused). Only the clamp pass is sequential,
-and it steps once per chunk, not per token.
+so it is the windowed sum ``sum_{k<64} g(t_{i-k}) << k``, computed for all positions at once. A
+chunk may end after token ``i`` when the top ``boundary_bits`` bits of ``h_i`` are zero: top bits
+depend on the whole window, low bits only on the last few tokens. Chunks are clamped to
+``[min_chunk, max_chunk]``; the first ``sink_tokens`` are never chunked (sinks are not reused).
 
-``g(t)`` is splitmix64 of the id, so ids of any int64 value (63-bit row keys included) spread
-without a table. Fingerprints are xxHash64 (seed 0) of the chunk's ids as little-endian int64
-bytes; where ``xxhash`` is not installed, blake2b (8-byte digest) of the same bytes.
+``g(t)`` is splitmix64, so ids of any int64 value spread without a table. Fingerprints are
+xxHash64 (seed 0) of the ids as little-endian int64 bytes; blake2b-8 where ``xxhash`` is missing.
 """
 
 from __future__ import annotations
@@ -109,8 +105,8 @@ class Chunker:
         return self.candidates_many([ids])[0]
 
     def candidates_many(self, seqs: list[np.ndarray]) -> list[np.ndarray]:
-        """``candidates`` of several sequences with one hash pass over their concatenation (a
-        position's window never reaches back into the previous sequence: those are masked)."""
+        """``candidates`` of several sequences in one hash pass over their concatenation; windows
+        reaching back into the previous sequence are masked."""
         p = self.params
         h = rolling_hash(np.concatenate(seqs) if len(seqs) > 1 else seqs[0], p.window)
         hit = (h >> self._shift) == 0

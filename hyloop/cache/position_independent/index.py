@@ -1,19 +1,16 @@
 """The donor index: (extra_key, chunk fingerprint) -> where in the radix tree that chunk's KV lies.
 
-An entry names a tree node (its *anchor*) whose root path holds the chunk at donor positions
-``[start, end)``; the chunk's last token lies on the anchor or, after a split, on an ancestor.
-Nodes are only ever removed as leaves, so while the anchor lives, every page of the chunk does.
-When the tree deletes an anchor, its entries move to the parent if the parent still holds the
-whole chunk, and are dropped otherwise (``on_node_deleted``): an entry never names a freed page.
+An entry names a node (its *anchor*) whose root path holds the chunk at donor positions
+``[start, end)``; after a split the chunk may end on an ancestor. Nodes are only removed as
+leaves, so while the anchor lives every page of the chunk does. When an anchor goes, its entries
+move to the parent if that still holds the whole chunk, else are dropped: no entry names a freed
+page.
 
-Registration is split so inserting stays cheap: ``note`` records a committed key and its last
-node in O(1); ``flush`` fingerprints everything recorded since, in one vectorised pass, before
-the next lookup. Chunks wholly inside what the tree held before the insert are skipped (their
-inserter filed them). Hits are candidates only: the planner confirms each by token equality.
-
-Row models key a row ``[C]`` by a folded hash, so equal keys do not prove equal rows: their
-entries carry the donor's rows (``[n, C]``, shared by the entries of one commit) and the planner
-compares full rows.
+``note`` only records a commit so inserting stays cheap; ``flush`` fingerprints all recorded
+commits in one vectorised pass before the next lookup, skipping chunks the tree held before the
+insert (their inserter filed them). Hits are candidates only: the planner confirms each by
+token equality. Row models key a row by a folded hash, so their entries also carry the donor's
+rows ``[n, C]`` (shared by one commit's entries) for the planner to compare whole.
 """
 
 from __future__ import annotations
@@ -90,15 +87,15 @@ class DonorIndex:
         held_before: int = 0,
         rows: np.ndarray | None = None,
     ) -> None:
-        """Record that the tree holds ``key[:num_tokens]`` on the path to ``last_node``, of
-        which it held ``key[:held_before]`` already; ``rows`` for row models."""
+        """The tree holds ``key[:num_tokens]`` on the path to ``last_node`` (``key[:held_before]``
+        already before this commit); ``rows`` for row models."""
         if num_tokens - max(held_before, self.chunker.params.sink_tokens) > 0:
             self._pending.append((key, num_tokens, held_before, last_node, rows))
             if len(self._pending) >= MAX_PENDING:
                 self.flush()
 
     def flush(self) -> None:
-        """Fingerprint every recorded commit (one hash pass over all of them)."""
+        """Fingerprint every recorded commit."""
         pending, self._pending = self._pending, []
         if not pending:
             return

@@ -1,19 +1,15 @@
 """Plan a prompt's reuse after its exact-prefix match: which positions come from a donor.
 
-Every chunk of the unmatched tail is looked up; a candidate is used only once its tokens equal
-the prompt's, and a used hit is then extended token by token to the left and right against the
-donor's own tokens (content-defined boundaries near a document's edges depend on the text around
-it, so whole-chunk hits alone lose most of a short document). Extending right may continue past
-the anchor into the donor's descendants, following the prompt's tokens down the tree.
+Each chunk of the unmatched tail is looked up; a candidate is used only once its tokens (row
+models: its rows) equal the prompt's. A used hit is then extended left and right against the
+donor's own tokens, since content-defined boundaries near a document's edges depend on the text
+around it and whole-chunk hits alone lose most of a short document. Extending right may follow
+the prompt down the donor's subtree; row models extend only as far as the donor's rows reach.
 
-Row models pass their rows: a hit then needs equal rows, not only equal keys, and extension
-compares rows too, as far as the donor's recorded rows reach.
-
-The plan is a list of segments covering ``[0, len(tokens))``: the exact prefix, reused runs
-(donor node, source position, length) and computed runs. The first ``recompute_tokens`` of each
-reused run are computed instead: they re-establish the run's attention to what now precedes it.
-The planner only reads the tree; the caller locks each reused run's ``node`` before evicting
-anything and releases it once the run is copied.
+The plan's segments cover ``[0, len(tokens))``: the exact prefix, reused runs and computed
+runs. The first ``recompute_tokens`` of each reused run are computed instead, to re-establish
+its attention to what now precedes it. The planner only reads the tree; the caller locks each
+reused run's ``node`` before evicting anything and releases it once the run is copied.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Model architectures; importing this package registers them."""
 
-from hyloop.models.arch import gemma3, llama, moss_tts_local, qwen3_next, row_lm
+from hyloop.models.arch import gemma3, llama, moss_tts_local, qwen3_next
 
-__all__ = ["gemma3", "llama", "moss_tts_local", "qwen3_next", "row_lm"]
+__all__ = ["gemma3", "llama", "moss_tts_local", "qwen3_next"]

@@ -1,7 +1,8 @@
 """What every decoder-only causal LM here shares: embeddings in, layers, norm, LM head out.
 
 A subclass builds ``self.spec`` (with ``tie_word_embeddings``), ``self.model`` (with
-``embed_tokens``, ``layers`` and ``norm``) and ``self.lm_head``, then calls ``tie_weights()``.
+``embed_tokens``, ``layers`` and ``norm``) and ``self.lm_head``, calls ``tie_weights()`` and
+sets ``self.contract`` (``models.contract.contract_of``).
 """
 
 from __future__ import annotations
@@ -9,14 +10,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hyloop.graphs.context import StepContext
+from hyloop.graphs.step_batch import StepBatch
+from hyloop.models.contract import ModelContract
 from hyloop.models.weights import StackedParam
 
 
 class DecoderLM(nn.Module):
-    """``forward(ctx) -> hidden [B, T, H]``; ``compute_logits(hidden [N, H]) -> fp32 [N, V]``."""
+    """``forward(batch) -> hidden [B, T, H]``; ``compute_logits(hidden [N, H]) -> fp32 [N, V]``."""
 
     spec: object
+    contract: ModelContract
     model: nn.Module
     lm_head: nn.Linear
     stacked_params = (
@@ -34,10 +37,10 @@ class DecoderLM(nn.Module):
             return {"lm_head.weight": "model.embed_tokens.weight"}
         return {}
 
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        x = self.model.embed_tokens(ctx.input_ids)
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        x = self.model.embed_tokens(batch.input_ids)
         for layer in self.model.layers:
-            x = layer(x, ctx)
+            x = layer(x, batch)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

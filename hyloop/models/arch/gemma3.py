@@ -1,11 +1,10 @@
 """Gemma 3 (text): local sliding-window layers interleaved with global full-attention layers.
 
-Differences from the Llama family: embeddings scaled by ``sqrt(hidden)``, zero-centred RMSNorm
-``(1 + w)``, per-head q/k RMSNorm, four norms per layer (input, post-attention, pre- and
-post-feedforward), a GELU-tanh gated MLP, the attention scale ``query_pre_attn_scalar ** -0.5``,
-and per-layer ``layer_types``: sliding layers attend to the last ``sliding_window`` tokens and
-rotate with their own base (``rope_local_base_freq``), global layers use ``rope_theta`` and its
-scaling.
+Beyond the Llama family: embeddings scaled by ``sqrt(hidden)``, zero-centred ``(1 + w)`` RMSNorm,
+q/k RMSNorm, four norms per layer, a GELU-tanh gated MLP, the attention scale
+``query_pre_attn_scalar ** -0.5``, and per-layer ``layer_types``: sliding layers see the last
+``sliding_window`` tokens and rotate with ``rope_local_base_freq``, global ones with
+``rope_theta`` and its scaling.
 """
 
 from __future__ import annotations
@@ -18,10 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hyloop.graphs.context import StepContext
+from hyloop.graphs.step_batch import StepBatch
 from hyloop.models.arch.base import DecoderLM
-from hyloop.models.layers.attention import PagedAttention
+from hyloop.models.contract import contract_of
 from hyloop.models.layers.norm import RMSNorm
+from hyloop.models.layers.qkv_attention import QKVAttention
 from hyloop.models.layers.rope import RopeSpec, RotaryEmbedding
 from hyloop.models.registry import register, text_config
 
@@ -139,58 +139,21 @@ class Gemma3MLP(nn.Module):
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
-class Gemma3Attention(nn.Module):
-    def __init__(
-        self, spec: Gemma3Spec, layer_id: int, rotary: RotaryEmbedding, window: int | None
-    ) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            spec.num_heads,
-            spec.num_kv_heads,
-            spec.head_dim,
-        )
-        self.q_size = spec.num_heads * spec.head_dim
-        self.kv_size = spec.num_kv_heads * spec.head_dim
-        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.qkv_proj.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
-        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, zero_centered=True)
-        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, zero_centered=True)
-        self.rotary = rotary
-        self.attn = PagedAttention(
-            layer_id,
-            spec.num_heads,
-            spec.num_kv_heads,
-            spec.head_dim,
-            spec.attn_scale,
-            sliding_window=window,
-        )
-
-    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        b, t, _ = x.shape
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.view(b, t, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(b, t, self.num_kv_heads, self.head_dim))
-        v = v.view(b, t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(q, k, ctx.positions, ctx.scratch)
-        return self.o_proj(self.attn(q, k, v, ctx))
-
-
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(
-        self, spec: Gemma3Spec, layer_id: int, rotary: RotaryEmbedding, window: int | None
-    ) -> None:
+    def __init__(self, spec: Gemma3Spec, rotary: RotaryEmbedding, window: int | None) -> None:
         super().__init__()
         h, eps = spec.hidden_size, spec.rms_norm_eps
         self.input_layernorm = RMSNorm(h, eps, zero_centered=True)
-        self.self_attn = Gemma3Attention(spec, layer_id, rotary, window)
+        self.self_attn = QKVAttention.of(
+            spec, rotary, scale=spec.attn_scale, qk_norm="zero_centered", window=window
+        )
         self.post_attention_layernorm = RMSNorm(h, eps, zero_centered=True)
         self.pre_feedforward_layernorm = RMSNorm(h, eps, zero_centered=True)
         self.mlp = Gemma3MLP(h, spec.intermediate_size)
         self.post_feedforward_layernorm = RMSNorm(h, eps, zero_centered=True)
 
-    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), ctx))
+    def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), batch))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
@@ -201,57 +164,34 @@ class Gemma3Body(nn.Module):
         local = RotaryEmbedding(spec.rope_local, spec.max_positions)
         glob = RotaryEmbedding(spec.rope_global, spec.max_positions)
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(spec, i, local, spec.sliding_window)
+            Gemma3DecoderLayer(spec, local, spec.sliding_window)
             if kind == SLIDING
-            else Gemma3DecoderLayer(spec, i, glob, None)
-            for i, kind in enumerate(spec.layer_types)
+            else Gemma3DecoderLayer(spec, glob, None)
+            for kind in spec.layer_types
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, zero_centered=True)
 
 
 @register("Gemma3ForCausalLM", model_types=("gemma3_text",))
 class Gemma3CausalLM(DecoderLM):
-    """``forward(ctx) -> hidden [B, T, H]``; ``compute_logits(hidden [N, H]) -> fp32 [N, V]``.
-
-    ``sliding_layers`` lists the layer ids whose attention is windowed (``sliding_window``).
-    """
-
     def __init__(self, hf_config: dict[str, Any]) -> None:
         super().__init__()
-        self.spec = Gemma3Spec.from_hf(hf_config)
-        self.model = Gemma3Body(self.spec)
-        self.lm_head = nn.Linear(self.spec.hidden_size, self.spec.vocab_size, bias=False)
+        spec = self.spec = Gemma3Spec.from_hf(hf_config)
+        self.model = Gemma3Body(spec)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.tie_weights()
-        self.num_kv_layers = self.spec.num_layers
-        self.kv_heads = self.spec.num_kv_heads
-        self.head_dim = self.spec.head_dim
-        self.sliding_window = self.spec.sliding_window
-        self.sliding_layers = tuple(
-            i for i, kind in enumerate(self.spec.layer_types) if kind == SLIDING
+        self.embed_scale = math.sqrt(spec.hidden_size)
+        # Two RoPE tables (local and global): no one ``RopeSpec`` says how its keys move.
+        self.contract = contract_of(
+            self, vocab_size=spec.vocab_size, max_positions=spec.max_positions
         )
-        self.embed_scale = math.sqrt(self.spec.hidden_size)
 
-    def place_kv_layers(self, swa_pool: bool) -> tuple[int, int]:
-        """Assign each attention layer its buffers: with ``swa_pool`` the sliding layers live in
-        the sliding-window pool and the full pool holds only the global layers. Returns the
-        layer counts of (full pool, sliding-window pool)."""
-        full = swa = 0
-        for layer in self.model.layers:
-            attn = layer.self_attn.attn
-            attn.in_swa_pool = swa_pool and attn.sliding_window is not None
-            if attn.in_swa_pool:
-                attn.pool_layer, swa = swa, swa + 1
-            else:
-                attn.pool_layer, full = full, full + 1
-        self.num_kv_layers = full
-        return full, swa
-
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        x = self.model.embed_tokens(ctx.input_ids)
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        x = self.model.embed_tokens(batch.input_ids)
         # NOTE: HF rounds the scale to the weight dtype before multiplying.
         x = x * x.new_full((), self.embed_scale)
         for layer in self.model.layers:
-            x = layer(x, ctx)
+            x = layer(x, batch)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -12,11 +12,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from hyloop.graphs.context import StepContext
+from hyloop.graphs.step_batch import StepBatch
 from hyloop.models.arch.base import DecoderLM
-from hyloop.models.layers.attention import PagedAttention
+from hyloop.models.contract import contract_of
 from hyloop.models.layers.mlp import GatedMLP
 from hyloop.models.layers.norm import RMSNorm
+from hyloop.models.layers.qkv_attention import QKVAttention
 from hyloop.models.layers.rope import RopeSpec, RotaryEmbedding
 from hyloop.models.registry import register, text_config
 
@@ -51,11 +52,8 @@ class DenseSpec:
         is_qwen2 = arch == "Qwen2ForCausalLM"
         window = cfg.get("sliding_window")
         max_pos = int(cfg.get("max_position_embeddings", 4096))
-        if (
-            window
-            and cfg.get("use_sliding_window", arch == "MistralForCausalLM")
-            and window < max_pos
-        ):
+        sliding = cfg.get("use_sliding_window", arch == "MistralForCausalLM")
+        if window and sliding and window < max_pos:
             raise ValueError(
                 f"sliding_window={window} < max_position_embeddings={max_pos}: sliding-window "
                 "attention layers are not supported by the dense engine"
@@ -80,50 +78,19 @@ class DenseSpec:
         )
 
 
-class Attention(nn.Module):
-    def __init__(self, spec: DenseSpec, layer_id: int, rotary: RotaryEmbedding) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            spec.num_heads,
-            spec.num_kv_heads,
-            spec.head_dim,
-        )
-        self.q_size = spec.num_heads * spec.head_dim
-        self.kv_size = spec.num_kv_heads * spec.head_dim
-        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, spec.qkv_bias)
-        self.qkv_proj.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
-        if spec.qk_norm:
-            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
-            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
-        self.qk_norm = spec.qk_norm
-        self.rotary = rotary
-        self.attn = PagedAttention(
-            layer_id, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.head_dim**-0.5
-        )
-
-    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        b, t, _ = x.shape
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(b, t, self.num_heads, self.head_dim)
-        k = k.view(b, t, self.num_kv_heads, self.head_dim)
-        v = v.view(b, t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(q, k, ctx.positions, ctx.scratch)
-        return self.o_proj(self.attn(q, k, v, ctx))
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: DenseSpec, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, spec: DenseSpec, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec, layer_id, rotary)
+        qk_norm = "plain" if spec.qk_norm else None
+        self.self_attn = QKVAttention.of(
+            spec, rotary, qkv_bias=spec.qkv_bias, o_bias=spec.o_bias, qk_norm=qk_norm
+        )
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, spec.mlp_bias)
 
-    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx)
+    def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -132,20 +99,18 @@ class DecoderBody(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         rotary = RotaryEmbedding(spec.rope, spec.max_positions)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, rotary) for i in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, rotary) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
 @register("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 class DenseCausalLM(DecoderLM):
-    """``forward(ctx) -> hidden [B, T, H]``; ``compute_logits(hidden [N, H]) -> fp32 [N, V]``."""
-
     def __init__(self, hf_config: dict[str, Any]) -> None:
         super().__init__()
-        self.spec = DenseSpec.from_hf(hf_config)
-        self.model = DecoderBody(self.spec)
-        self.lm_head = nn.Linear(self.spec.hidden_size, self.spec.vocab_size, bias=False)
+        spec = self.spec = DenseSpec.from_hf(hf_config)
+        self.model = DecoderBody(spec)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.tie_weights()
-        self.num_kv_layers = self.spec.num_layers
-        self.kv_heads = self.spec.num_kv_heads
-        self.head_dim = self.spec.head_dim
+        self.contract = contract_of(
+            self, vocab_size=spec.vocab_size, max_positions=spec.max_positions, rope=spec.rope
+        )

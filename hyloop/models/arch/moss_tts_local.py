@@ -1,19 +1,18 @@
 """MOSS-TTS-Local: a Qwen3 backbone over multi-channel rows plus a per-frame depth transformer.
 
-A row ``[C = n_vq + 1]`` holds a text-vocab id (channel 0) and ``n_vq`` RVQ codes. The backbone
-(the dense Qwen3 decoder of ``llama.py``) reads the sum of the row's channel embeddings; codebook
-rows at or past ``audio_vocab_size`` (the pad code included) embed to zero. From the backbone's
-last hidden state (after its final norm) ``decode_frame`` produces the next frame: the local
-transformer at position 0 feeds a binary stop head (0 = continue, 1 = stop), then for code c the
-logits are the current local output times codebook c's embedding table (a tied head), and the
-sampled code's embedding enters the local transformer at position c + 1.
+A row ``[C = n_vq + 1]`` is a text id (channel 0) and ``n_vq`` RVQ codes; the backbone (dense
+Qwen3, ``llama.py``) reads the sum of its channel embeddings, codes >= ``audio_vocab_size`` (the
+pad code too) embedding to zero. ``decode_frame`` turns the backbone's last normed hidden state
+into the next frame: the local transformer at position 0 feeds a binary stop head, then code c's
+logits are the local output times codebook c's (tied) embedding table, and the sampled code
+enters the local transformer at position c + 1.
 
-Checkpoint (HF directory, ``model_type: "moss_tts_local"`` whatever ``architectures`` says):
+Checkpoint (``model_type: "moss_tts_local"``, whatever ``architectures`` says): config keys
 ``language_config`` (or ``qwen3_config``), ``n_vq``, ``audio_vocab_size``, ``gpt2_config``
 {``n_head``, ``n_inner``, ``rope_base``, ``layer_norm_epsilon``}, ``local_transformer_layers``,
 the special ids; tensors ``model.*`` (or ``transformer.*``), ``audio_embeddings.{i}.weight``,
-``local_transformer.*``, ``local_text_lm_head.weight``. ``text_lm_head.*`` and
-``audio_lm_heads.*`` are ignored; any other unknown tensor is an error.
+``local_transformer.*``, ``local_text_lm_head.weight``; ``text_lm_head.*`` and
+``audio_lm_heads.*`` are ignored, any other unknown tensor is an error.
 """
 
 from __future__ import annotations
@@ -24,13 +23,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from hyloop.graphs.context import StepContext
 from hyloop.graphs.sampler import sample
+from hyloop.graphs.step_batch import StepBatch
 from hyloop.models.arch.llama import DecoderBody, DenseCausalLM, DenseSpec
+from hyloop.models.contract import RowLayout, contract_of
+from hyloop.models.layers.attention import TorchPath
 from hyloop.models.layers.local_transformer import LocalTransformer
 from hyloop.models.registry import register
 
 IGNORED_HEADS = ("text_lm_head.", "audio_lm_heads.")
+_TORCH = TorchPath()
 STOP, CONTINUE = 1, 0
 
 
@@ -120,11 +122,9 @@ def language_config(hf: dict[str, Any]) -> dict[str, Any]:
 
 @dataclass
 class FrameSampling:
-    """Per-row sampling tensors of one frame step (all ``[B]`` unless noted).
-
-    The RNG position of channel ``ch`` (0 = stop head, ``c + 1`` = code ``c``) is
-    ``frame_pos * num_channels + ch``. The three flags are static per captured artifact.
-    """
+    """Per-row sampling tensors of one frame step (``[B]`` unless noted). Channel ``ch`` (0 = stop
+    head, ``c + 1`` = code ``c``) draws at RNG position ``frame_pos * num_channels + ch``. The
+    three flags are static per captured artifact."""
 
     text_temperature: torch.Tensor  # f32, 0 = greedy (stop head)
     text_top_k: torch.Tensor  # int64, >= 2 disables
@@ -138,6 +138,7 @@ class FrameSampling:
     frame_pos: torch.Tensor  # int64 frame index of the row being sampled
     audio_top_cap: int  # the code samplers' candidates (``sampler.candidate_cap``)
     greedy_only: bool = False  # every row is greedy in both groups
+    compute: Any = None  # the step's compute path (local attention, top-k); None: torch ops
 
 
 @dataclass
@@ -151,16 +152,13 @@ class FrameOutput:
 
 
 @register(
-    "MossTTSLocalModel",
-    "MossTTSLocalForConditionalGeneration",
-    model_types=("moss_tts_local",),
+    "MossTTSLocalModel", "MossTTSLocalForConditionalGeneration", model_types=("moss_tts_local",)
 )
 class MossTTSLocalLM(nn.Module):
-    """``forward(ctx)`` over rows ``[B, T, C]`` -> normed hidden ``[B, T, H]``;
+    """``forward(batch)`` over rows ``[B, T, C]`` -> normed hidden ``[B, T, H]``;
     ``decode_frame(last [B, H], sampling, tok_hash) -> FrameOutput``."""
 
     stacked_params = DenseCausalLM.stacked_params
-    is_row_model = True
 
     def __init__(self, hf_config: dict[str, Any]) -> None:
         super().__init__()
@@ -173,11 +171,6 @@ class MossTTSLocalLM(nn.Module):
         self.slot_id = cfg.slot_id
         self.end_id = cfg.end_id
         self.hidden_size = self.spec.hidden_size
-        self.channel_vocab_sizes = [self.spec.vocab_size] + [cfg.audio_pad_code + 1] * cfg.n_vq
-        self.max_vocab = max(2, cfg.audio_vocab_size)  # the widest sampled distribution
-        self.num_kv_layers = self.spec.num_layers
-        self.kv_heads = self.spec.num_kv_heads
-        self.head_dim = self.spec.head_dim
 
         self.model = DecoderBody(self.spec)  # embed_tokens is channel 0's table
         self.audio_embeddings = nn.ModuleList(
@@ -200,8 +193,14 @@ class MossTTSLocalLM(nn.Module):
             nn.Linear(self.hidden_size, cfg.audio_vocab_size, bias=False) for _ in range(cfg.n_vq)
         )
         self.tie_weights()
-        # CPU: the code samplers' candidates through ``hyloop::topk_rows`` (``cpu_ops``).
-        self.native_sampling = False
+        vocab = (self.spec.vocab_size, *[cfg.audio_pad_code + 1] * cfg.n_vq)
+        self.contract = contract_of(
+            self,
+            vocab_size=max(2, cfg.audio_vocab_size),  # the widest sampled distribution
+            max_positions=self.spec.max_positions,
+            rope=self.spec.rope,
+            rows=RowLayout(vocab, cfg.end_id),
+        )
 
     def tie_weights(self) -> None:
         for head, table in zip(self.audio_heads, self.audio_embeddings, strict=True):
@@ -231,10 +230,10 @@ class MossTTSLocalLM(nn.Module):
             x = x + torch.where((ids < v).unsqueeze(-1), e, 0.0)
         return x
 
-    def forward(self, ctx: StepContext) -> torch.Tensor:
-        x = self.embed_rows(ctx.input_ids)
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        x = self.embed_rows(batch.input_ids)
         for layer in self.model.layers:
-            x = layer(x, ctx)
+            x = layer(x, batch)
         return self.model.norm(x)
 
     def decode_frame(
@@ -244,16 +243,15 @@ class MossTTSLocalLM(nn.Module):
         tok_hash: torch.Tensor,
         keep_logits: bool = False,
     ) -> FrameOutput:
-        """One frame for every row of ``last [B, H]``: fixed shapes, no host sync.
-
-        ``tok_hash`` is ``token_hashes(max_vocab)``; each sampler reads its own prefix.
-        """
+        """One frame for every row of ``last [B, H]``, fixed shapes and no host sync; ``tok_hash``
+        is ``token_hashes(max_vocab)``, of which each sampler reads its own prefix."""
         b, n_vq, v = last.shape[0], self.n_vq, self.audio_vocab_size
         local = self.local_transformer
-        base = s.frame_pos * self.num_channels
+        compute = s.compute or _TORCH
+        base = s.frame_pos * (n_vq + 1)
         x = last.to(self.audio_embeddings[0].weight.dtype)
         cache = local.new_cache(b, x)
-        h = local.step(x, 0, cache)
+        h = local.step(x, 0, cache, compute)
         stop_logits = self.local_text_lm_head(h).float()
         choice = sample(
             stop_logits,
@@ -265,7 +263,7 @@ class MossTTSLocalLM(nn.Module):
             tok_hash[:2],
             2,  # both candidates: exact for every row's top-k / top-p
             s.greedy_only,
-            self.native_sampling,
+            compute.topk,
         )
         penalty = s.audio_repetition_penalty.float()[:, None]
         codes: list[torch.Tensor] = []
@@ -283,13 +281,13 @@ class MossTTSLocalLM(nn.Module):
                 tok_hash[:v],
                 s.audio_top_cap,
                 s.greedy_only,
-                self.native_sampling,
+                compute.topk,
             )
             codes.append(code)
             if keep_logits:
                 code_logits.append(logits)
             if c + 1 < n_vq:
-                h = local.step(self.audio_embeddings[c](code), c + 1, cache)
+                h = local.step(self.audio_embeddings[c](code), c + 1, cache, compute)
         code_rows = torch.stack(codes, dim=1)
         stop = choice == STOP
         cont = torch.cat([code_rows.new_full((b, 1), self.slot_id), code_rows], dim=1)
@@ -305,13 +303,10 @@ class MossTTSLocalLM(nn.Module):
 def _repetition_penalty(
     logits: torch.Tensor, codes: torch.Tensor, penalty: torch.Tensor
 ) -> torch.Tensor:
-    """HF repetition penalty on ``logits [B, V]`` for the codes of ``codes [B, W]`` (-1 =
-    empty): a seen code's logit shrinks towards (or below) zero by ``penalty [B, 1]``.
-
-    Gathers the W seen logits and scatters them back penalised (a repeated code writes the same
-    value twice); empties land in a spare column. A [B, V] presence mask per codebook costs
-    ~10x more in a compiled step (inductor's scatter into a zeroed mask).
-    """
+    """HF repetition penalty on ``logits [B, V]`` for ``codes [B, W]`` (-1 = empty): a seen
+    code's logit shrinks towards (or below) zero by ``penalty [B, 1]``. The W seen logits are
+    gathered and scattered back penalised (a repeat writes the same value twice, empties land in a
+    spare column): a [B, V] presence mask per codebook is far dearer in a compiled step."""
     b, v = logits.shape
     padded = torch.cat([logits, logits.new_zeros(b, 1)], dim=1)
     idx = torch.where((codes >= 0) & (codes < v), codes, v)

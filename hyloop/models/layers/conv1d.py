@@ -29,11 +29,10 @@ def causal_conv1d(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Convolve a left-aligned padded chunk ``x [B, T, C]`` that follows ``state [B, C, K-1]``.
 
-    ``weight`` is ``[C, K]`` (the conv1d weight with its singleton group dim squeezed). Row ``b``
-    has ``extend_lens[b]`` real tokens (all ``T`` when None). Returns ``silu(conv)`` as
-    ``[B, T, C]`` in ``x``'s dtype (positions past the real length are garbage the caller
-    ignores) and the new state: the ``K - 1`` raw inputs ending at the real length, in
-    ``state``'s dtype. A row with no real tokens keeps its state.
+    ``weight [C, K]`` is the conv1d weight, group dim squeezed; row ``b`` has ``extend_lens[b]``
+    real tokens (all ``T`` when None). Returns ``silu(conv) [B, T, C]`` in ``x``'s dtype (garbage
+    past the real length) and, in ``state``'s dtype, the ``K - 1`` raw inputs ending at the real
+    length: a row with no real tokens keeps its state.
     """
     _check_shapes(x, state, weight)
     channels, kernel = weight.shape
@@ -48,8 +47,8 @@ def causal_conv1d(
     if extend_lens is None:
         new_state = window[..., seq_len:]
     else:
-        # NOTE: the window ending at the real length starts at extend_len in the concatenated
-        # frame; a gather keeps the shape static (no per-row slicing, no host sync).
+        # NOTE: the state window ending at the real length starts at extend_len in ``window``;
+        # a gather keeps shapes static (no per-row slicing, no host sync).
         start = extend_lens.to(torch.int64).view(-1, 1, 1)
         offsets = torch.arange(kernel - 1, device=x.device, dtype=torch.int64).view(1, 1, -1)
         index = (start + offsets).expand(-1, channels, -1)
@@ -62,8 +61,7 @@ def causal_conv1d_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token per row: ``x [B, C]`` after ``state [B, C, K-1]``.
 
-    Returns ``(silu(conv) [B, C], new_state [B, C, K-1])``; the new state drops the oldest input
-    and appends ``x``.
+    Returns ``(silu(conv) [B, C], new_state)``, the state shifted by one to end at ``x``.
     """
     _check_shapes(x, state, weight)
     window = torch.cat([state.to(weight.dtype), x.to(weight.dtype).unsqueeze(-1)], -1)  # [B, C, K]

@@ -1,10 +1,9 @@
 """Gated DeltaNet (Qwen3-Next, Qwen3.5): the delta-rule kernels and the layer over a state pool.
 
-Per value head the state is ``S [dk, dv]`` (fp32). Each token decays it by ``exp(g)``, then
-writes ``beta * (v - S^T k)`` along ``k`` (the delta rule) and reads ``o = S^T q``. Prefill uses
-the chunked (WY / UT-transform) form with a fixed chunk grid from position 0 of every row, decode
-the single-token recurrence; both start from and return a state, so a prefill can be split
-anywhere with the state carried.
+Per value head the state ``S [dk, dv]`` (fp32) decays by ``exp(g)`` each token, takes
+``beta * (v - S^T k)`` along ``k`` (the delta rule) and is read as ``o = S^T q``. Prefill runs the
+chunked (WY) form on a chunk grid fixed from position 0, decode the recurrence; both carry the
+state in and out, so a prefill can be split anywhere.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import torch.nn.functional as F
 from einops import rearrange, repeat
 from torch import nn
 
-from hyloop.graphs.context import StepContext
+from hyloop.graphs.step_batch import StepBatch
 from hyloop.models.layers.conv1d import causal_conv1d, causal_conv1d_step
 
 CHUNK_SIZE = 64
@@ -65,12 +64,10 @@ def recurrent_gated_delta_rule(
     beta: torch.Tensor,
     initial_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-by-token gated delta rule.
-
-    ``q, k [B, T, Hk, dk]`` (raw: normalised here), ``v [B, T, Hv, dv]``, ``g`` (log-decay, <= 0)
-    and ``beta [B, T, Hv]``, ``initial_state [B, Hv, dk, dv]`` or None (zeros). Returns
-    ``o [B, T, Hv, dv]`` in ``v``'s dtype and the final state in fp32.
-    """
+    """Token-by-token gated delta rule over raw ``q, k [B, T, Hk, dk]`` (normalised here),
+    ``v [B, T, Hv, dv]``, log-decay ``g <= 0`` and ``beta [B, T, Hv]``, from ``initial_state
+    [B, Hv, dk, dv]`` (None: zeros). Returns ``o [B, T, Hv, dv]`` in ``v``'s dtype and the final
+    state in fp32."""
     out_dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     state = _initial_state(initial_state, v, q.shape[-1])
@@ -96,15 +93,14 @@ def chunk_gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked gated delta rule; same arguments and results as the recurrent form.
 
-    Positions with ``beta == 0`` and ``g == 0`` leave the state untouched, which is how padding
-    past a row's real length stays inert. Every row uses the same chunk grid starting at 0.
+    Positions with ``beta == 0`` and ``g == 0`` leave the state untouched: that keeps padding (past
+    a row's real length, and up to whole chunks) inert.
     """
     out_dtype = v.dtype
     seq_len = q.shape[1]
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     state = _initial_state(initial_state, v, q.shape[-1])
 
-    # Zero padding to whole chunks: beta = g = 0 there, so the state is unaffected.
     pad = (-seq_len) % chunk_size
     q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
     g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
@@ -162,20 +158,16 @@ class GDNDims:
             raise ValueError(f"linear_conv_kernel_dim={self.conv_kernel}, expected >= 2")
 
     @classmethod
-    def from_config(cls, cfg: Any, interleaved_proj: bool = False) -> GDNDims:
-        """From a config mapping or attribute object with the HF ``linear_*`` field names."""
-
-        def get(name: str) -> Any:
-            return cfg[name] if isinstance(cfg, dict) else getattr(cfg, name)
-
+    def from_config(cls, cfg: dict[str, Any], interleaved_proj: bool = False) -> GDNDims:
+        """From an HF config dict (its ``linear_*`` names)."""
         return cls(
-            hidden_size=get("hidden_size"),
-            num_k_heads=get("linear_num_key_heads"),
-            num_v_heads=get("linear_num_value_heads"),
-            head_k_dim=get("linear_key_head_dim"),
-            head_v_dim=get("linear_value_head_dim"),
-            conv_kernel=get("linear_conv_kernel_dim"),
-            rms_norm_eps=get("rms_norm_eps"),
+            hidden_size=cfg["hidden_size"],
+            num_k_heads=cfg["linear_num_key_heads"],
+            num_v_heads=cfg["linear_num_value_heads"],
+            head_k_dim=cfg["linear_key_head_dim"],
+            head_v_dim=cfg["linear_value_head_dim"],
+            conv_kernel=cfg["linear_conv_kernel_dim"],
+            rms_norm_eps=cfg["rms_norm_eps"],
             interleaved_proj=interleaved_proj,
         )
 
@@ -213,12 +205,8 @@ class RMSNormGated(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    """One GDN layer; reads and writes its state in the recurrent pool through the step context.
-
-    Weight names follow HF (``in_proj_qkvz``/``in_proj_ba`` or ``in_proj_qkv``/``in_proj_z``/
-    ``in_proj_b``/``in_proj_a``, ``conv1d``, ``A_log``, ``dt_bias``, ``norm``, ``out_proj``) so
-    a loader maps state dicts by name.
-    """
+    """One GDN layer over its state in the recurrent pool; HF weight names, so checkpoints load
+    by name."""
 
     def __init__(self, dims: GDNDims, layer_idx: int, recurrent_idx: int) -> None:
         super().__init__()
@@ -267,11 +255,9 @@ class GatedDeltaNet(nn.Module):
         extend_lens: torch.Tensor,
         is_decode: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Pure step over explicit states: ``(out [B, T, hidden], new conv, new temporal)``.
-
-        Row ``b`` of ``x`` has ``extend_lens[b]`` real tokens, left-aligned; padding leaves both
-        states untouched. ``is_decode`` (static) selects the single-token recurrent path.
-        """
+        """Pure step over explicit states -> ``(out [B, T, hidden], new conv, new temporal)``.
+        Row ``b`` of ``x`` has ``extend_lens[b]`` real tokens, left-aligned (padding leaves both
+        states untouched); ``is_decode`` (static) selects the single-token recurrence."""
         d = self.dims
         qkv, z, b, a = self._project(x)
         weight = self.conv1d.weight.squeeze(1)
@@ -299,20 +285,19 @@ class GatedDeltaNet(nn.Module):
         o = self.norm(o, z)
         return self.out_proj(rearrange(o, "b t h d -> b t (h d)")), new_conv, new_temporal
 
-    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        if ctx.recurrent is None or ctx.state_slots is None:
-            raise ValueError(
-                f"GDN layer {self.layer_idx}: step context has no recurrent pool/slots"
-            )
-        slots = ctx.state_slots
-        conv_buf = ctx.recurrent.conv[self.recurrent_idx]
-        temporal_buf = ctx.recurrent.temporal[self.recurrent_idx]
+    def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        pool = batch.pools.recurrent
+        if pool is None:
+            raise ValueError(f"GDN layer {self.layer_idx}: the step has no recurrent pool")
+        slots = batch.state_slots
+        conv_buf = pool.conv[self.recurrent_idx]
+        temporal_buf = pool.temporal[self.recurrent_idx]
         out, new_conv, new_temporal = self.forward_states(
             x,
             conv_buf.index_select(0, slots),
             temporal_buf.index_select(0, slots),
-            ctx.extend_lens,
-            ctx.is_decode,
+            batch.extend_lens,
+            batch.is_decode,
         )
         # In place on the pool buffers: a captured step keeps writing the same storage.
         conv_buf.index_copy_(0, slots, new_conv.to(conv_buf.dtype))

@@ -1,16 +1,15 @@
 """The per-frame depth ("local") transformer of MOSS-TTS-Local-style models.
 
-A pre-LayerNorm GPT-2 block stack over at most ``max_positions`` local positions (one per
-channel of a frame): fused biased ``c_attn`` (q, k, v stacked on output rows), interleaved-pair
-RoPE (pairs ``(2i, 2i+1)``), causal attention, ``fc_out(act(fc_in(x)))`` and a final ``ln_f``.
-Submodule names match the checkpoint under ``local_transformer.``.
-
-The KV of one frame is scratch: ``new_cache`` allocates it fresh (a plain tensor per layer,
-fixed shape) and ``step`` writes position ``pos`` and attends over ``0..pos``. ``pos`` is a
+Pre-LayerNorm GPT-2 blocks over at most ``max_positions`` local positions (one per channel of a
+frame): fused biased ``c_attn`` (q, k, v stacked on output rows), interleaved-pair RoPE, causal
+attention, ``fc_out(act(fc_in(x)))``, final ``ln_f``; names match the checkpoint's
+``local_transformer.*``. A frame's KV is fixed-shape scratch (``new_cache``), and ``pos`` is a
 Python int unrolled by the caller, so every shape is static and nothing reads the device.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -85,8 +84,6 @@ class LocalTransformer(nn.Module):
         self.register_buffer("rope_cos", torch.empty(shape), persistent=False)
         self.register_buffer("rope_sin", torch.empty(shape), persistent=False)
         self.reset_buffers()
-        # CPU: attend through ``hyloop::decode_attention`` (``cpu_ops.use_native`` sets it).
-        self.native_decode = False
 
     def reset_buffers(self) -> None:
         if self.rope_cos.is_meta:
@@ -100,11 +97,12 @@ class LocalTransformer(nn.Module):
         self.rope_sin.copy_(freqs.sin().repeat_interleave(2, dim=-1))
 
     def new_cache(self, batch: int, like: torch.Tensor) -> LocalKV:
-        """Fresh per-frame K/V (positions are written before they are read)."""
+        """Uninitialised per-frame K/V: ``step`` writes a position before any read of it."""
         shape = (batch, self.max_positions, self.num_heads, self.head_dim)
         return [(like.new_empty(shape), like.new_empty(shape)) for _ in self.h]
 
-    def step(self, x: torch.Tensor, pos: int, cache: LocalKV) -> torch.Tensor:
+    def step(self, x: torch.Tensor, pos: int, cache: LocalKV, compute: Any) -> torch.Tensor:
+        """Position ``pos`` for the batch, attending over ``0..pos`` with ``compute.local``."""
         b, nh, hd = x.shape[0], self.num_heads, self.head_dim
         cos = self.rope_cos[pos].to(x.dtype)
         sin = self.rope_sin[pos].to(x.dtype)
@@ -114,37 +112,10 @@ class LocalTransformer(nn.Module):
             k = k * cos + _rotate_pairs(k) * sin
             k_cache[:, pos] = k
             v_cache[:, pos] = v
-            if self.native_decode:
-                out = self._attend_native(q, k_cache, v_cache, pos)
-            else:
-                keys = k_cache[:, : pos + 1].transpose(1, 2).float()  # [B, nh, L, hd]
-                values = v_cache[:, : pos + 1].transpose(1, 2).float()
-                scores = torch.matmul(q.float().unsqueeze(2), keys.transpose(-1, -2))
-                probs = torch.softmax(scores * hd**-0.5, dim=-1)  # [B, nh, 1, L]
-                out = torch.matmul(probs, values).to(x.dtype).reshape(b, self.hidden)
+            out = compute.local(q, k_cache, v_cache, pos)
             x = x + block.attn.c_proj(out)
             x = x + block.mlp(block.ln_2(x))
         return self.ln_f(x)
-
-    def _attend_native(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: int
-    ) -> torch.Tensor:
-        """Positions ``0..pos`` of each row's frame KV, read in place as a paged pool whose
-        slot ``b * max_positions + p`` is row b's position p."""
-        b, positions = q.shape[0], self.max_positions
-        slots = torch.arange(b, device=q.device).view(b, 1) * positions + torch.arange(
-            pos + 1, device=q.device
-        )
-        bias = torch.zeros(b, pos + 1, dtype=torch.float32, device=q.device)
-        out = torch.ops.hyloop.decode_attention(
-            q,
-            k_cache.view(b * positions, self.num_heads, self.head_dim),
-            v_cache.view(b * positions, self.num_heads, self.head_dim),
-            slots,
-            bias,
-            self.head_dim**-0.5,
-        )
-        return out.reshape(b, self.hidden)
 
 
 def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:

@@ -7,18 +7,14 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """``w * x / rms(x)`` computed in fp32 and cast back, as the HF reference does.
-
-    ``zero_centered=True`` stores ``w`` around 0 and scales by ``1 + w`` (the scale is applied
-    in fp32 before the cast, as Qwen3-Next does).
-    """
+    """``w * x / rms(x)``, normalised in fp32 as HF does: a plain ``w`` scales after the cast
+    back, a zero-centred ``1 + w`` (``zero_centered=True``) before it."""
 
     def __init__(self, dim: int, eps: float = 1e-6, zero_centered: bool = False) -> None:
         super().__init__()
         self.eps = eps
         self.zero_centered = zero_centered
-        init = torch.zeros(dim) if zero_centered else torch.ones(dim)
-        self.weight = nn.Parameter(init)
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

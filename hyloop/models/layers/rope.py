@@ -1,8 +1,8 @@
 """Rotary position embeddings as HF configs specify them.
 
-Supported ``rope_type``: ``default``, ``linear``, ``llama3``, ``dynamic`` is refused (its table
-depends on the sequence length, which a captured step cannot follow). Both spellings are read:
-top-level ``rope_theta`` / ``rope_scaling`` (transformers 4) and ``rope_parameters`` (5).
+``rope_type`` ``default``, ``linear`` or ``llama3``; ``dynamic`` is refused (its table follows
+the sequence length, which a captured step cannot). Reads both transformers 4's top-level
+``rope_theta`` / ``rope_scaling`` and 5's ``rope_parameters``.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from hyloop.graphs.step_batch import StepBatch
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -29,9 +31,7 @@ class RopeSpec:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], head_dim: int) -> RopeSpec:
-        params = dict(cfg.get("rope_parameters") or {})
-        scaling = cfg.get("rope_scaling") or {}
-        params = {**scaling, **params}
+        params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
         theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
         partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
         rope_type = params.get("rope_type", params.get("type", "default")) or "default"
@@ -90,25 +90,17 @@ class RotaryEmbedding(nn.Module):
         self.sin.copy_(emb.sin())
 
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        positions: torch.Tensor,
-        scratch: dict[str, Any] | None = None,
+        self, q: torch.Tensor, k: torch.Tensor, batch: StepBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``q [B,T,Hq,D]`` and ``k [B,T,Hk,D]`` at ``positions [B,T]``.
-
-        ``scratch`` (the step context's) keeps the gathered rows for the other layers.
-        """
-        key = f"rope{id(self)}"
-        cs = scratch.get(key) if scratch is not None else None
+        """Rotate ``q [B,T,Hq,D]`` and ``k [B,T,Hk,D]`` at the step's positions; the gathered
+        rows are shared with the other layers through ``batch.meta``."""
+        key = ("rope", id(self))
+        cs = batch.meta.get(key)
         if cs is None:
-            cs = (
-                self.cos[positions].unsqueeze(2).to(q.dtype),
-                self.sin[positions].unsqueeze(2).to(q.dtype),
+            cs = batch.meta[key] = (
+                self.cos[batch.positions].unsqueeze(2).to(q.dtype),
+                self.sin[batch.positions].unsqueeze(2).to(q.dtype),
             )
-            if scratch is not None:
-                scratch[key] = cs
         cos, sin = cs
         return _apply(q, cos, sin, self.rotary_dim), _apply(k, cos, sin, self.rotary_dim)
 

@@ -1,10 +1,8 @@
 """Load a GGUF checkpoint as an HF-style config, a float32 state dict and a tokenizer.
 
-GGUF differs from the HF layout in three ways this loader undoes: tensors are quantized (they are
-dequantized to float32 with `gguf.quants.dequantize`, one vectorised call per tensor), names follow
-llama.cpp (`blk.{i}.attn_q.weight` -> `model.layers.{i}.self_attn.q_proj.weight`), and for the
-llama architecture llama.cpp's converter permutes the rows of q_proj / k_proj so that rotary pairs
-sit side by side (its interleaved rope); HF's rotate-half rope needs the original order back.
+Undone here: quantized tensors (dequantized to float32), llama.cpp's tensor names (`blk.{i}.attn_q`
+-> `model.layers.{i}.self_attn.q_proj`), and for llama the converter's permuted q/k rows (rotary
+pairs side by side for its interleaved rope), which HF's rotate-half rope needs in original order.
 """
 
 from __future__ import annotations
@@ -19,33 +17,25 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 from tokenizers import Tokenizer
 
-from hyloop.models.loaders.gguf_tokenizer import (
-    add_bos_token,
-    build_gguf_tokenizer,
-    eos_token_ids,
-    has_tokenizer,
-    special_token_ids,
-)
+from hyloop.models.loaders import gguf_tokenizer as gguf_tok
 
 
 @dataclass(frozen=True)
 class _ArchSpec:
     hf_architecture: str
     # llama.cpp permutes Q/K rows only for models it runs with interleaved (non-NeoX) rope.
-    permute_qk: bool
-    qkv_bias: bool
-    qk_norm: bool
+    permute_qk: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
     # Gemma: four norms per layer, and llama.cpp stores every norm weight as ``1 + w``.
     gemma_norms: bool = False
 
 
 _ARCHS: dict[str, _ArchSpec] = {
-    "llama": _ArchSpec("LlamaForCausalLM", permute_qk=True, qkv_bias=False, qk_norm=False),
-    "qwen2": _ArchSpec("Qwen2ForCausalLM", permute_qk=False, qkv_bias=True, qk_norm=False),
-    "qwen3": _ArchSpec("Qwen3ForCausalLM", permute_qk=False, qkv_bias=False, qk_norm=True),
-    "gemma3": _ArchSpec(
-        "Gemma3ForCausalLM", permute_qk=False, qkv_bias=False, qk_norm=True, gemma_norms=True
-    ),
+    "llama": _ArchSpec("LlamaForCausalLM", permute_qk=True),
+    "qwen2": _ArchSpec("Qwen2ForCausalLM", qkv_bias=True),
+    "qwen3": _ArchSpec("Qwen3ForCausalLM", qk_norm=True),
+    "gemma3": _ArchSpec("Gemma3ForCausalLM", qk_norm=True, gemma_norms=True),
 }
 
 _GLOBAL_NAMES = {
@@ -103,13 +93,9 @@ class GGUFCheckpoint:
 
 
 class _ArrayReader(GGUFReader):
-    """``GGUFReader`` over a plain ndarray view of its memory map (same bytes, no copy).
-
-    The reader slices its buffer once per value while parsing the metadata, ~250k times for a
-    tokenizer's vocabulary and merges; on an ``np.memmap`` every slice pays the subclass's
-    ``__getitem__`` and ``__array_finalize__``, which made parsing SmolLM2's header take 2.5 s
-    (0.75 s on the view). Everything else is the library's own parsing.
-    """
+    """``GGUFReader`` over a plain ndarray view of its memory map (same bytes, no copy): it slices
+    its buffer once per metadata value, and on an ``np.memmap`` each slice's ``__getitem__`` and
+    ``__array_finalize__`` dominated parsing a tokenizer's vocabulary and merges."""
 
     def _get(self, *args: Any, **kwargs: Any) -> Any:
         if type(self.data) is np.memmap:
@@ -118,15 +104,14 @@ class _ArrayReader(GGUFReader):
 
 
 def _open(path: str | os.PathLike[str]) -> GGUFReader:
+    where = f"GGUF checkpoint {os.fspath(path)!r}"
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"GGUF checkpoint {os.fspath(path)!r} does not exist")
+        raise FileNotFoundError(f"{where} does not exist")
     reader = _ArrayReader if hasattr(GGUFReader, "_get") else GGUFReader
     try:
         return reader(path)
     except Exception as exc:  # the reader parses untrusted bytes; any failure means a bad file
-        raise ValueError(
-            f"GGUF checkpoint {os.fspath(path)!r} is not a readable GGUF file: {exc}"
-        ) from exc
+        raise ValueError(f"{where} is not a readable GGUF file: {exc}") from exc
 
 
 def read_gguf_file_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -136,9 +121,7 @@ def read_gguf_file_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def read_gguf_metadata(reader: GGUFReader) -> dict[str, Any]:
     """Every key-value field of the file as plain Python values."""
-    return {
-        key: fld.contents() for key, fld in reader.fields.items() if not key.startswith("GGUF.")
-    }
+    return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
 
 
 def _meta_int(meta: dict[str, Any], key: str, default: int | None = None) -> int:
@@ -209,8 +192,7 @@ def _build_config(meta: dict[str, Any], arch: str, vocab_size: int, tied: bool) 
         "head_dim": head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": float(meta[eps_key]),
-        # llama.cpp's default when the converter wrote no base.
-        "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),  # llama.cpp's default
         "max_position_embeddings": _meta_int(meta, f"{arch}.context_length"),
         "tie_word_embeddings": tied,
         "bos_token_id": _optional_int(meta.get("tokenizer.ggml.bos_token_id")),
@@ -226,23 +208,20 @@ def _build_config(meta: dict[str, Any], arch: str, vocab_size: int, tied: bool) 
         config["model_type"] = "gemma3_text"
         config["query_pre_attn_scalar"] = head_dim
         config["sliding_window"] = _meta_int(meta, f"{arch}.attention.sliding_window")
-    scaling = _rope_scaling(meta, arch)
-    if scaling is not None:
+    if (scaling := _rope_scaling(meta, arch)) is not None:
         config["rope_scaling"] = scaling
     return config
 
 
 def _expected_shapes(config: dict[str, Any], spec: _ArchSpec) -> dict[str, tuple[int, ...]]:
     """HF name -> HF shape ([out, in] for linears) of every tensor the architecture needs."""
-    h, inter = config["hidden_size"], config["intermediate_size"]
-    q_dim = config["num_attention_heads"] * config["head_dim"]
-    kv_dim = config["num_key_value_heads"] * config["head_dim"]
+    h, inter, d = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    q_dim, kv_dim = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (config["vocab_size"], h),
         "model.norm.weight": (h,),
     }
     for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
         layer = {
             "input_layernorm.weight": (h,),
             "post_attention_layernorm.weight": (h,),
@@ -255,18 +234,14 @@ def _expected_shapes(config: dict[str, Any], spec: _ArchSpec) -> dict[str, tuple
             "mlp.down_proj.weight": (h, inter),
         }
         if spec.qkv_bias:
-            layer |= {
-                "self_attn.q_proj.bias": (q_dim,),
-                "self_attn.k_proj.bias": (kv_dim,),
-                "self_attn.v_proj.bias": (kv_dim,),
-            }
+            layer |= {"self_attn.q_proj.bias": (q_dim,), "self_attn.k_proj.bias": (kv_dim,)}
+            layer |= {"self_attn.v_proj.bias": (kv_dim,)}
         if spec.qk_norm:
-            layer |= {"self_attn.q_norm.weight": (config["head_dim"],)}
-            layer |= {"self_attn.k_norm.weight": (config["head_dim"],)}
+            layer |= {"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)}
         if spec.gemma_norms:
             layer |= {"pre_feedforward_layernorm.weight": (h,)}
             layer |= {"post_feedforward_layernorm.weight": (h,)}
-        shapes |= {p + name: shape for name, shape in layer.items()}
+        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
     if not config["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (config["vocab_size"], h)
     return shapes
@@ -292,25 +267,20 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
     """Read a GGUF file into an HF-style config, a float32 HF-named state dict and a tokenizer."""
     reader = _open(path)
     meta = read_gguf_metadata(reader)
+    where = f"GGUF checkpoint {os.fspath(path)!r}"
     arch = meta.get("general.architecture")
     if arch not in _ARCHS:
         raise ValueError(
-            f"GGUF checkpoint {os.fspath(path)!r} has general.architecture {arch!r}; "
-            f"hyloop loads {sorted(_ARCHS)}"
+            f"{where} has general.architecture {arch!r}; hyloop loads {sorted(_ARCHS)}"
         )
     spec = _ARCHS[arch]
 
-    by_hf_name: dict[str, Any] = {}
-    unexpected: list[str] = []
-    for tensor in reader.tensors:
-        hf_name = _hf_name(tensor.name, spec)
-        if hf_name is None:
-            unexpected.append(tensor.name)
-        else:
-            by_hf_name[hf_name] = tensor
+    named = [(_hf_name(tensor.name, spec), tensor) for tensor in reader.tensors]
+    by_hf_name = {hf_name: tensor for hf_name, tensor in named if hf_name is not None}
+    unexpected = [tensor.name for hf_name, tensor in named if hf_name is None]
     embed = by_hf_name.get("model.embed_tokens.weight")
     if embed is None:
-        raise ValueError(f"GGUF checkpoint {os.fspath(path)!r} lacks tensor 'token_embd.weight'")
+        raise ValueError(f"{where} lacks tensor 'token_embd.weight'")
     vocab_size = int(embed.shape[-1])  # GGUF lists dims fastest-first: [hidden, vocab]
     if f"{arch}.vocab_size" in meta and int(meta[f"{arch}.vocab_size"]) != vocab_size:
         raise ValueError(
@@ -324,7 +294,7 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
     missing = [name for name in expected if name not in by_hf_name]
     if unexpected or missing:
         raise ValueError(
-            f"GGUF checkpoint {os.fspath(path)!r} does not match architecture {arch!r}: "
+            f"{where} does not match architecture {arch!r}: "
             f"unexpected tensors {sorted(unexpected)}, missing tensors {missing}"
         )
     misshaped = [
@@ -333,7 +303,7 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
         if tuple(int(d) for d in reversed(tensor.shape)) != expected[n]
     ]
     if misshaped:
-        raise ValueError(f"GGUF checkpoint {os.fspath(path)!r} has mis-shaped tensors: {misshaped}")
+        raise ValueError(f"{where} has mis-shaped tensors: {misshaped}")
 
     state_dict: dict[str, torch.Tensor] = {}
     for name in expected:
@@ -349,14 +319,12 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
         elif spec.gemma_norms and name.endswith("norm.weight"):
             weight = weight - 1.0  # llama.cpp stored 1 + w; hyloop's norm scales by 1 + w
         state_dict[name] = weight.contiguous()
-
-    tokenizer = build_gguf_tokenizer(meta) if has_tokenizer(meta) else None
     return GGUFCheckpoint(
         config=config,
         state_dict=state_dict,
-        tokenizer=tokenizer,
-        add_bos_token=add_bos_token(meta),
+        tokenizer=gguf_tok.build_gguf_tokenizer(meta) if gguf_tok.has_tokenizer(meta) else None,
+        add_bos_token=gguf_tok.add_bos_token(meta),
         chat_template=meta.get("tokenizer.chat_template"),
-        eos_token_ids=eos_token_ids(meta),
-        special_token_ids=special_token_ids(meta),
+        eos_token_ids=gguf_tok.eos_token_ids(meta),
+        special_token_ids=gguf_tok.special_token_ids(meta),
     )

@@ -1,19 +1,18 @@
 """A `tokenizers.Tokenizer` rebuilt from the metadata of a GGUF file.
 
-A GGUF carries no `tokenizer.json`: it stores the vocabulary, the merges, the token types and the
-special token ids under llama.cpp's key names (`tokenizer.ggml.*`). For byte-level BPE
-(`tokenizer.ggml.model == "gpt2"`) that is enough to rebuild the tokenizer exactly; the one fact a
-GGUF spells only by name is how text is split before BPE (`tokenizer.ggml.pre`), so the split rules
-llama.cpp uses for each name are written out here.
+A GGUF carries no `tokenizer.json`, only the vocabulary, merges, token types and special ids under
+llama.cpp's keys (`tokenizer.ggml.*`). For byte-level BPE (model "gpt2") that rebuilds the
+tokenizer exactly, except how text is split before BPE, which the file gives only by name
+(`tokenizer.ggml.pre`): llama.cpp's split rule for each name is written out here.
 
-Gemma files hold a SentencePiece-style BPE vocabulary (`tokenizer.ggml.model == "llama"`) with
-byte-fallback pieces (`<0x41>`) and no merges; the merges are implied by the vocabulary, ranked by
-the order the pieces appear in the file (Gemma's scores do not follow the merge order).
+Gemma files hold a SentencePiece-style BPE vocabulary (model "llama") with byte-fallback pieces
+(`<0x41>`) and no merges; the merges are implied by the vocabulary, ranked by the order the pieces
+appear in the file (Gemma's scores do not follow the merge order).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import lru_cache
 from typing import Any
 
@@ -112,7 +111,6 @@ def _require(meta: Mapping[str, Any], key: str) -> Any:
 def _build_byte_level_bpe(meta: Mapping[str, Any]) -> Tokenizer:
     tokens: list[str] = list(_require(meta, _PREFIX + "tokens"))
     merge_lines: list[str] = list(_require(meta, _PREFIX + "merges"))
-    token_types: list[int] = list(meta.get(_PREFIX + "token_type") or [])
     pre = meta.get(_PREFIX + "pre", "default")
     if pre not in _PRE_TOKENIZERS:
         raise ValueError(
@@ -135,47 +133,55 @@ def _build_byte_level_bpe(meta: Mapping[str, Any]) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
     tokenizer.pre_tokenizer = _PRE_TOKENIZERS[pre]()
     tokenizer.decoder = decoders.ByteLevel()
-
-    # Control tokens must match whole in raw text or "<|im_start|>" is cut into byte pieces. In a
-    # byte-level vocabulary a control token outside the byte alphabet is a converter mislabel;
-    # adding it would grow the vocabulary past the embedding, so it is skipped (as HF does).
-    control = [
-        AddedToken(token, normalized=False, special=True)
-        for token, kind in zip(tokens, token_types, strict=False)
-        if kind == _TOKEN_TYPE_CONTROL and set(token) <= alphabet
-    ]
-    user_defined = [
-        AddedToken(token, normalized=False, special=False)
-        for token, kind in zip(tokens, token_types, strict=False)
-        if kind == _TOKEN_TYPE_USER_DEFINED and token in vocab
-    ]
-    if control:
-        tokenizer.add_special_tokens(control)
-    if user_defined:
-        tokenizer.add_tokens(user_defined)
+    # A control token outside the byte alphabet is a converter mislabel; adding it would grow the
+    # vocabulary past the embedding, so it is skipped (as HF does).
+    _add_typed_tokens(tokenizer, meta, tokens, alphabet.issuperset, lambda token: token in vocab)
     _set_bos_eos_template(tokenizer, meta, tokens)
     return tokenizer
 
 
+def _add_typed_tokens(
+    tokenizer: Tokenizer,
+    meta: Mapping[str, Any],
+    tokens: list[str],
+    control: Callable[[str], bool] = lambda token: True,
+    user_defined: Callable[[str], bool] = lambda token: True,
+) -> None:
+    """Add the control (special) and user-defined tokens the filters keep, so they match whole in
+    raw text ("<|im_start|>" is not cut into pieces)."""
+    token_types: list[int] = list(meta.get(_PREFIX + "token_type") or [])
+    typed = list(zip(tokens, token_types, strict=False))
+    specials = [
+        AddedToken(token, normalized=False, special=True)
+        for token, kind in typed
+        if kind == _TOKEN_TYPE_CONTROL and control(token)
+    ]
+    added = [
+        AddedToken(token, normalized=False, special=False)
+        for token, kind in typed
+        if kind == _TOKEN_TYPE_USER_DEFINED and user_defined(token)
+    ]
+    if specials:
+        tokenizer.add_special_tokens(specials)
+    if added:
+        tokenizer.add_tokens(added)
+
+
 def _set_bos_eos_template(tokenizer: Tokenizer, meta: Mapping[str, Any], tokens: list[str]) -> None:
     """Add BOS/EOS on encode exactly when the file asks for it (add_bos_token / add_eos_token)."""
-    wrap: list[tuple[str, int]] = []
-    pieces_before: list[str] = []
-    pieces_after: list[str] = []
-    if add_bos_token(meta):
-        bos = int(_require(meta, _PREFIX + "bos_token_id"))
-        wrap.append((tokens[bos], bos))
-        pieces_before.append(tokens[bos])
-    if bool(meta.get(_PREFIX + "add_eos_token", False)):
-        eos = int(_require(meta, _PREFIX + "eos_token_id"))
-        wrap.append((tokens[eos], eos))
-        pieces_after.append(tokens[eos])
-    if not wrap:
+    bos = [int(_require(meta, _PREFIX + "bos_token_id"))] if add_bos_token(meta) else []
+    before = [tokens[i] for i in bos]
+    add_eos = bool(meta.get(_PREFIX + "add_eos_token", False))
+    eos = [int(_require(meta, _PREFIX + "eos_token_id"))] if add_eos else []
+    after = [tokens[i] for i in eos]
+    if not bos and not eos:
         return
-    single = [*pieces_before, "$A", *pieces_after]
-    pair = [*single, *pieces_before, "$B:1", *pieces_after]
+    single = [*before, "$A", *after]
+    pair = [*single, *before, "$B:1", *after]
+    # Each (piece, id) once: BOS and EOS may be the same token.
+    wrap = list(dict.fromkeys(zip(before + after, bos + eos, strict=True)))
     tokenizer.post_processor = processors.TemplateProcessing(
-        single=single, pair=pair, special_tokens=list(dict.fromkeys(wrap))
+        single=single, pair=pair, special_tokens=wrap
     )
 
 
@@ -206,7 +212,6 @@ def _build_gemma_bpe(meta: Mapping[str, Any]) -> Tokenizer:
         _SPM_SPACE * len(t) if " " in t and not t.strip() else t
         for t in _require(meta, _PREFIX + "tokens")
     ]
-    token_types: list[int] = list(meta.get(_PREFIX + "token_type") or [])
     vocab = {token: index for index, token in enumerate(tokens)}
     unk_id = meta.get(_PREFIX + "unknown_token_id")
     tokenizer = Tokenizer(
@@ -226,20 +231,7 @@ def _build_gemma_bpe(meta: Mapping[str, Any]) -> Tokenizer:
     tokenizer.decoder = decoders.Sequence(
         [decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     )
-    control = [
-        AddedToken(token, normalized=False, special=True)
-        for token, kind in zip(tokens, token_types, strict=False)
-        if kind == _TOKEN_TYPE_CONTROL
-    ]
-    user_defined = [
-        AddedToken(token, normalized=False, special=False)
-        for token, kind in zip(tokens, token_types, strict=False)
-        if kind == _TOKEN_TYPE_USER_DEFINED
-    ]
-    if control:
-        tokenizer.add_special_tokens(control)
-    if user_defined:
-        tokenizer.add_tokens(user_defined)
+    _add_typed_tokens(tokenizer, meta, tokens)
     _set_bos_eos_template(tokenizer, meta, tokens)
     return tokenizer
 

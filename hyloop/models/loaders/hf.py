@@ -57,17 +57,14 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def eos_ids_from(ckpt: Path, hf_config: dict[str, Any]) -> list[int]:
-    """EOS ids from generation_config.json, falling back to config.json."""
-    ids: list[int] = []
+    """EOS ids from generation_config.json, falling back to config.json (then its text_config)."""
     gen = ckpt / "generation_config.json"
     sources = [read_json(gen)] if gen.is_file() else []
-    sources.append(hf_config)
-    sources.append(hf_config.get("text_config") or {})
-    for src in sources:
+    for src in [*sources, hf_config, hf_config.get("text_config") or {}]:
         value = src.get("eos_token_id")
         if value is None:
             continue
         ids = [int(v) for v in value] if isinstance(value, list) else [int(value)]
         if ids:
-            break
-    return ids
+            return ids
+    return []

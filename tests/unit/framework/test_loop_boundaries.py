@@ -17,20 +17,16 @@ import pytest
 import hyloop
 from hyloop import LLM, SamplingParams
 from hyloop.framework.engine import Engine
-from hyloop.framework.overlap_loop import OverlapLoop
-from hyloop.framework.sync_loop import SyncLoop
+from hyloop.framework.loops import OverlapLoop, SyncLoop
 
 PACKAGE = Path(hyloop.__file__).parent
 # Modules that run steps: none of them may know the engine.
 LOOP_MODULES = {
     "hyloop.framework.pipeline",
-    "hyloop.framework.sync_loop",
-    "hyloop.framework.overlap_loop",
-    "hyloop.framework.lifecycle",
-    "hyloop.framework.recorder",
-    "hyloop.framework.model_runner",
-    "hyloop.framework.step_fn",
-    "hyloop.framework.step_inputs",
+    "hyloop.framework.loops",
+    "hyloop.framework.scheduler",
+    "hyloop.framework.stats",
+    "hyloop.framework.step_kinds",
 }
 # The public front ends (and assembly) are the only importers of the engine.
 ENGINE_IMPORTERS = {"hyloop.framework.llm", "hyloop.framework.assembly"}

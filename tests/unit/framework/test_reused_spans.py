@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hyloop.framework.request import Request
+from hyloop.framework.requests import Request
 from hyloop.framework.sampling_params import SamplingParams
 
 

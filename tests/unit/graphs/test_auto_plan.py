@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from hyloop.graphs.auto_plan import WARM_FRACTION, Estimates, Outlook, choose, simulate
-from hyloop.graphs.buckets import kv_len_buckets, pick_bucket
-from hyloop.graphs.history import StepHistory
+from hyloop.graphs.capture.auto_plan import WARM_FRACTION, Estimates, Outlook, choose, simulate
+from hyloop.graphs.capture.buckets import kv_len_buckets, pick_bucket
+from hyloop.graphs.capture.history import StepHistory
 
 BUCKETS = (1, 2, 4, 8)
 

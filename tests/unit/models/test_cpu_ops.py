@@ -11,11 +11,13 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import BF16_PACKED
 from torch import nn
 
-from hyloop.models.layers import cpu_ops
-from hyloop.models.layers.attention import PagedAttention
-from hyloop.models.layers.packed_linear import PackedLinear, packing_available
+from hyloop.models.cpu import cpu_ops
+from hyloop.models.cpu.packed_linear import PackedLinear, packing_available
+from hyloop.models.layers.attention import NativePath, PagedAttention, TorchPath
+from hyloop.models.layers.attention.paged import AttentionMeta
 
 pytestmark = pytest.mark.skipif(
     not cpu_ops.ensure_loaded(), reason="no C++ compiler: hyloop's CPU kernels cannot be built"
@@ -127,34 +129,34 @@ def test_decode_attention_rejects_bad_input() -> None:
 
 
 def test_paged_attention_native_decode_matches_the_torch_path() -> None:
-    """The layer's decode with ``native_decode`` equals its torch-ops decode (fp32)."""
+    """The layer's decode on the native compute path equals its torch path (fp32)."""
     from types import SimpleNamespace
 
     q, k_buf, v_buf, slots, bias = case(torch.float32, 4, 8, 2, 64, 32, seed=11)
-    layer = PagedAttention(0, 8, 2, 64, 0.125)
+    layer = PagedAttention(8, 2, 64, 0.125)
     # Decode writes this step's K/V first: point it at a spare slot, then read it back too.
     new_k = torch.randn(4, 1, 2, 64)
     new_v = torch.randn(4, 1, 2, 64)
     loc = torch.arange(4).view(4, 1) + k_buf.shape[0] - 4
-    ctx = SimpleNamespace(
-        scratch={"paged_attention": (slots.reshape(-1), bias.view(4, 1, 1, -1))},
-        kv=SimpleNamespace(k=[k_buf.clone()], v=[v_buf.clone()]),
-        out_cache_loc=loc,
-    )
-    torch_out = layer(q.view(4, 1, 8, 64), new_k, new_v, ctx)
-    ctx.kv = SimpleNamespace(k=[k_buf.clone()], v=[v_buf.clone()])
-    layer.native_decode = True
-    native_out = layer(q.view(4, 1, 8, 64), new_k, new_v, ctx)
+    meta = AttentionMeta(slots.reshape(-1), bias.view(4, 1, 1, -1), loc)
+
+    def batch(compute: object) -> SimpleNamespace:
+        kv = SimpleNamespace(k=[k_buf.clone()], v=[v_buf.clone()])
+        pools = SimpleNamespace(kv=kv, compute=compute)
+        return SimpleNamespace(meta={("attention", None, False): meta}, pools=pools)
+
+    torch_out = layer(q.view(4, 1, 8, 64), new_k, new_v, batch(TorchPath()))
+    native_out = layer(q.view(4, 1, 8, 64), new_k, new_v, batch(NativePath()))
     torch.testing.assert_close(native_out, torch_out, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.skipif(not packing_available(torch.device("cpu")), reason="no oneDNN")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, BF16_PACKED])
 def test_native_packed_linear_equals_the_packed_call(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     layer = PackedLinear(nn.Linear(256, 384).to(dtype))
     model = nn.Sequential(layer)
-    cpu_ops.use_native(model)
+    cpu_ops.register_packed(model)
     assert layer.native
     x = torch.randn(8, 256, dtype=dtype)
     assert torch.equal(torch.ops.hyloop.packed_linear_native(x, layer.handle), layer.run_packed(x))
@@ -165,7 +167,7 @@ def test_native_packed_linear_equals_the_packed_call(dtype: torch.dtype) -> None
 @pytest.mark.skipif(not packing_available(torch.device("cpu")), reason="no oneDNN")
 def test_native_packed_weights_are_released_with_their_layer() -> None:
     layer = PackedLinear(nn.Linear(256, 256))
-    cpu_ops.use_native(nn.Sequential(layer))
+    cpu_ops.register_packed(nn.Sequential(layer))
     handle = layer.handle
     x = torch.randn(2, 256)
     torch.ops.hyloop.packed_linear_native(x, handle)

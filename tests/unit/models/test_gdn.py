@@ -2,12 +2,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import make_batch
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf35
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_next import modeling_qwen3_next as hfnext
 from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
 
-from hyloop.graphs.context import StepContext
+from hyloop.graphs.step_batch import StepBatch
 from hyloop.models.layers.conv1d import causal_conv1d, causal_conv1d_step
 from hyloop.models.layers.gdn import (
     GatedDeltaNet,
@@ -224,10 +225,10 @@ def test_padded_rows_equal_unpadded_runs() -> None:
 
 def make_ctx(
     x: torch.Tensor, lens: list[int], slots: list[int], pool: RecurrentPool, decode: bool
-) -> StepContext:
+) -> StepBatch:
     b, t = x.shape[:2]
     zeros = torch.zeros(b, t, dtype=torch.int64)
-    return StepContext(
+    return make_batch(
         input_ids=zeros,
         positions=zeros,
         out_cache_loc=zeros,

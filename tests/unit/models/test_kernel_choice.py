@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import BF16_PACKED
 from torch import nn
 
-from hyloop.models.layers.kernel_choice import (
+from hyloop.models.cpu.kernel_choice import (
     KernelTable,
     calibrate,
     fastest,
@@ -20,7 +21,7 @@ from hyloop.models.layers.kernel_choice import (
     shape_key,
     time_candidates,
 )
-from hyloop.models.layers.packed_linear import PackedLinear, packing_available
+from hyloop.models.cpu.packed_linear import PackedLinear, packing_available
 
 pytestmark = pytest.mark.skipif(
     not packing_available(torch.device("cpu")), reason="oneDNN is not available in this build"
@@ -84,12 +85,12 @@ def test_gemv_is_a_candidate_for_one_row_of_a_compiled_step(tmp_path: Path) -> N
 def test_a_row_count_takes_the_next_measured_choice_above() -> None:
     layer = layers()[0]
     layer.set_kernels({1: "gemv", 4: "linear", 16: "packed"})
-    assert [layer.kernel(r) for r in (1, 2, 4, 5, 16, 64)] == [
+    assert [layer.kernel(r, compiled=True) for r in (1, 2, 4, 5, 16, 64)] == [
         "gemv", "linear", "linear", "packed", "packed", "packed",
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, BF16_PACKED])
 @pytest.mark.parametrize("kernel", ["linear", "packed", "gemv"])
 def test_every_kernel_computes_the_linear(kernel: str, dtype: torch.dtype) -> None:
     layer = layers(dtype)[0]

@@ -11,23 +11,24 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import TINY_DENSE, TINY_HYBRID, TINY_ROW
+from conftest import TINY_DENSE, TINY_HYBRID, TINY_ROW, make_batch
 
 from hyloop.graphs import ops
-from hyloop.graphs.context import StepContext
-from hyloop.models.layers import attention
+from hyloop.graphs.step_batch import StepBatch
+from hyloop.models.layers.attention import paged as attention
 from hyloop.models.registry import model_class
-from hyloop.pools import KVPool, ReqToTokenPool
+from hyloop.pools import KVPool, RecurrentPool, ReqToTokenPool
 
 CONFIGS: dict[str, dict[str, Any]] = {**TINY_DENSE, **TINY_HYBRID, "row_lm": TINY_ROW}
 MAX_CTX = 16
 
 
-def prefill_context(model: Any, kv: KVPool, table: ReqToTokenPool) -> StepContext:
+def prefill_context(model: Any, kv: KVPool, table: ReqToTokenPool) -> StepBatch:
     """Two requests (5 and 3 new tokens, the second padded) and one padding row."""
     lens = [5, 3, 0]
     b, t = len(lens), max(lens)
-    channels = getattr(model, "num_channels", None)
+    rows_layout = model.contract.rows
+    channels = rows_layout.channels if rows_layout is not None else None
     shape = (b, t) if channels is None else (b, t, channels)
     ids = torch.randint(3, 32, shape)
     loc = torch.zeros(b, t, dtype=torch.int64)
@@ -35,7 +36,7 @@ def prefill_context(model: Any, kv: KVPool, table: ReqToTokenPool) -> StepContex
     for r, n in enumerate(lens[:2]):
         table.table[r] = 1 + r * MAX_CTX + torch.arange(MAX_CTX, dtype=torch.int32)
         loc[r, :n] = table.table[r, :n].long()
-    ctx = StepContext(
+    ctx = make_batch(
         input_ids=ids,
         positions=torch.arange(t).repeat(b, 1),
         out_cache_loc=loc,
@@ -46,9 +47,11 @@ def prefill_context(model: Any, kv: KVPool, table: ReqToTokenPool) -> StepContex
         kv_len=t,
         kv=kv,
     )
-    if hasattr(model, "new_recurrent_pool"):
-        ctx.recurrent = model.new_recurrent_pool(3, "cpu")
-        slots = ctx.recurrent.alloc(2)
+    r = model.contract.recurrent
+    if r is not None:
+        pool = RecurrentPool(r.num_layers, 3, r.temporal_shape, r.conv_dim, r.conv_kernel)
+        ctx.pools.recurrent = pool
+        slots = pool.alloc(2)
         ctx.state_slots = torch.cat([slots, torch.zeros(1, dtype=torch.int64)])
     return ctx
 
@@ -60,7 +63,9 @@ def test_attention_writes_kv_only_through_write_kv(
     torch.manual_seed(0)
     cfg = CONFIGS[name]
     model = model_class(cfg)(cfg).eval()
-    pool_args = (model.num_kv_layers, 1 + 2 * MAX_CTX, 1, model.kv_heads, model.head_dim)
+    c = model.contract
+    num_kv_layers = len(c.kv_windows)
+    pool_args = (num_kv_layers, 1 + 2 * MAX_CTX, 1, c.kv_heads, c.head_dim)
     kv = KVPool(*pool_args, torch.float32, "cpu")
     table = ReqToTokenPool(2, MAX_CTX, "cpu")
     ctx = prefill_context(model, kv, table)
@@ -83,12 +88,12 @@ def test_attention_writes_kv_only_through_write_kv(
     with torch.no_grad():
         model(ctx)
 
-    assert sorted(layer for layer, *_ in calls) == list(range(model.num_kv_layers))
+    assert sorted(layer for layer, *_ in calls) == list(range(num_kv_layers))
     replayed = KVPool(*pool_args, torch.float32, "cpu")
     for layer, loc, k, v in calls:
         assert torch.equal(loc, ctx.out_cache_loc)
         ops.write_kv(replayed.k[layer], replayed.v[layer], loc, k, v)
-    for layer in range(model.num_kv_layers):
+    for layer in range(num_kv_layers):
         assert torch.equal(kv.k[layer], replayed.k[layer])
         assert torch.equal(kv.v[layer], replayed.v[layer])
         assert kv.k[layer][1:6].abs().sum() > 0  # the real tokens' K/V did land in the pool

@@ -17,13 +17,13 @@ import torch
 import torch.nn.functional as F
 from conftest import (
     TINY_MOSS_LOCAL,
+    make_batch,
     moss_local_tensors,
     tiny_moss_local_config,
     write_moss_local_checkpoint,
 )
 from safetensors.torch import load_file
 
-from hyloop.graphs.context import StepContext
 from hyloop.graphs.safety import check_capture_safe
 from hyloop.graphs.sampler import candidate_cap, sample, token_hashes
 from hyloop.models.arch.moss_tts_local import FrameOutput, FrameSampling, MossTTSLocalLM
@@ -155,7 +155,8 @@ class Runner:
     def __init__(self, model: MossTTSLocalLM, num_requests: int) -> None:
         self.model = model
         self.kv = KVPool(
-            model.num_kv_layers, 1 + num_requests * MAX_CTX, 1, model.kv_heads, model.head_dim,
+            len(model.contract.kv_windows), 1 + num_requests * MAX_CTX, 1, model.contract.kv_heads,
+            model.contract.head_dim,
             torch.float32, "cpu",
         )  # fmt: skip
         self.table = ReqToTokenPool(num_requests, MAX_CTX, "cpu")
@@ -174,7 +175,7 @@ class Runner:
             pos[r] = torch.arange(start, start + t)
             loc[r, :n] = self.table.table[r, start : start + n].long()
         lens = torch.tensor([len(r) for r in rows])
-        ctx = StepContext(
+        ctx = make_batch(
             input_ids=ids,
             positions=pos,
             out_cache_loc=loc,
@@ -245,7 +246,7 @@ def test_greedy_frames_match_reference(ckpt: Path) -> None:
     gen = torch.Generator().manual_seed(5)
     prompts = [prompt(10, model, gen), prompt(7, model, gen)]
     runner = Runner(model, len(prompts))
-    tok_hash = token_hashes(model.max_vocab, "cpu")
+    tok_hash = token_hashes(model.contract.vocab_size, "cpu")
     seqs = [p.clone() for p in prompts]
     last = runner.step([0, 0], prompts)
     stops = [0, 0]  # continuing, stopping frames seen
@@ -301,10 +302,12 @@ def test_released_layout_loads_and_ignores_the_unused_heads(tmp_path: Path) -> N
     model = load(variant(tmp_path, edit_tensors=break_heads))
     names = {n for n, _ in model.named_parameters()}
     assert not any(n.startswith(("text_lm_head", "audio_lm_heads")) for n in names)
-    assert model.channel_vocab_sizes == [256, 17, 17, 17]
+    assert model.contract.rows is not None
+    assert model.contract.rows.channel_vocab_sizes == (256, 17, 17, 17)
     assert (model.num_channels, model.n_vq, model.end_id, model.slot_id) == (4, 3, 251, 250)
-    assert (model.pad_code, model.audio_vocab_size, model.max_vocab) == (16, 16, 16)
-    assert (model.num_kv_layers, model.kv_heads, model.head_dim) == (2, 1, 32)
+    assert (model.pad_code, model.audio_vocab_size, model.contract.vocab_size) == (16, 16, 16)
+    c = model.contract
+    assert (len(c.kv_windows), c.kv_heads, c.head_dim) == (2, 1, 32)
     assert (model.spec.max_positions, model.spec.vocab_size, model.hidden_size) == (2048, 256, 64)
 
 
@@ -392,7 +395,7 @@ def test_repetition_penalty_matches_transformers(ckpt: Path) -> None:
     model = load(ckpt)
     b, v = 3, model.audio_vocab_size
     last = torch.randn(b, model.hidden_size, generator=torch.Generator().manual_seed(2))
-    tok_hash = token_hashes(model.max_vocab, "cpu")
+    tok_hash = token_hashes(model.contract.vocab_size, "cpu")
     history = torch.randint(0, v, (b, 5, model.n_vq), generator=torch.Generator().manual_seed(3))
     history[:, -2:] = -1  # empty slots of a young request
     with torch.no_grad():
@@ -410,7 +413,7 @@ def test_seeded_frames_do_not_depend_on_the_batch(ckpt: Path) -> None:
     model = load(ckpt)
     b, v = 4, model.audio_vocab_size
     last = torch.randn(b, model.hidden_size, generator=torch.Generator().manual_seed(4))
-    tok_hash = token_hashes(model.max_vocab, "cpu")
+    tok_hash = token_hashes(model.contract.vocab_size, "cpu")
     history = torch.randint(-1, v, (b, 4, model.n_vq), generator=torch.Generator().manual_seed(6))
     s = sampling(b, model.n_vq, v, temp=1.5, top_k=8, top_p=0.9, penalty=1.3, history=history)
     s.frame_pos = torch.tensor([0, 3, 9, 3])
@@ -449,7 +452,7 @@ def frame_inputs(model: MossTTSLocalLM, seeded: bool) -> tuple[torch.Tensor, Fra
 
 def test_decode_frame_is_capture_safe(ckpt: Path) -> None:
     model = load(ckpt)
-    tok_hash = token_hashes(model.max_vocab, "cpu")
+    tok_hash = token_hashes(model.contract.vocab_size, "cpu")
     for seeded in (False, True):
         last, s = frame_inputs(model, seeded)
         with torch.no_grad():
@@ -463,7 +466,7 @@ def test_decode_frame_is_capture_safe(ckpt: Path) -> None:
 @pytest.mark.slow
 def test_compiled_decode_frame_equals_eager(ckpt: Path) -> None:
     model = load(ckpt)
-    tok_hash = token_hashes(model.max_vocab, "cpu")
+    tok_hash = token_hashes(model.contract.vocab_size, "cpu")
     compiled = torch.compile(model.decode_frame, fullgraph=True, dynamic=False)
     outs = []
     for seeded in (False, True):  # same shapes and flags: one artifact, no recompile
@@ -482,7 +485,7 @@ def test_each_channel_samples_at_its_rng_position(ckpt: Path) -> None:
     """Channel ch (0 = stop head, c + 1 = code c) draws at ``frame_pos * C + ch``."""
     model = load(ckpt)
     last, s = frame_inputs(model, seeded=True)
-    tok_hash = token_hashes(model.max_vocab, "cpu")
+    tok_hash = token_hashes(model.contract.vocab_size, "cpu")
     with torch.no_grad():
         out = model.decode_frame(last, s, tok_hash, keep_logits=True)
     assert out.logits is not None

@@ -6,13 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HYBRID_COMMON, TINY_HYBRID, build_hf_checkpoint, load_hf_model
+from conftest import HYBRID_COMMON, TINY_HYBRID, build_hf_checkpoint, load_hf_model, make_batch
 
-from hyloop.graphs.context import StepContext
 from hyloop.models.arch.qwen3_next import FULL, LINEAR, HybridCausalLM, HybridSpec
 from hyloop.models.loader import load_model
 from hyloop.models.registry import model_class
-from hyloop.pools import KVPool, ReqToTokenPool
+from hyloop.pools import KVPool, RecurrentPool, ReqToTokenPool
 
 TINY = TINY_HYBRID
 MAX_CTX = 256
@@ -29,14 +28,19 @@ class Runner:
 
     def __init__(self, model: HybridCausalLM, num_requests: int) -> None:
         self.model = model
+        c = model.contract
         self.kv = KVPool(
-            model.num_kv_layers, 1 + num_requests * MAX_CTX, 1, model.kv_heads, model.head_dim,
+            len(c.kv_windows), 1 + num_requests * MAX_CTX, 1, c.kv_heads, c.head_dim,
             torch.float32, "cpu",
         )  # fmt: skip
         self.table = ReqToTokenPool(num_requests, MAX_CTX, "cpu")
         for r in range(num_requests):  # a fixed slot per (request, position); 0 is the sink
             self.table.table[r] = 1 + r * MAX_CTX + torch.arange(MAX_CTX, dtype=torch.int32)
-        self.recurrent = model.new_recurrent_pool(num_requests + 1, "cpu")
+        r = c.recurrent
+        assert r is not None
+        self.recurrent = RecurrentPool(
+            r.num_layers, num_requests + 1, r.temporal_shape, r.conv_dim, r.conv_kernel
+        )
         slots = self.recurrent.alloc(num_requests)
         assert slots is not None
         self.slots = slots.tolist()
@@ -63,7 +67,7 @@ class Runner:
             pos[i] = torch.arange(start, start + t).clamp_max(MAX_CTX - 1)
             loc[i, :n] = self.table.table[req, start : start + n].long()
             req_rows[i], prefix[i], ext[i], slots[i] = req, start, n, self.slots[req]
-        ctx = StepContext(
+        ctx = make_batch(
             input_ids=ids,
             positions=pos,
             out_cache_loc=loc,
@@ -87,7 +91,8 @@ def test_chunked_prefill_and_decode_match_transformers(ckpts: dict[str, Path], n
     loaded = load_model(ckpts[name], torch.float32, torch.device("cpu"))
     model = loaded.model
     assert isinstance(model, HybridCausalLM)
-    assert (model.num_kv_layers, model.num_recurrent_layers) == (2, 2)
+    assert model.contract.recurrent is not None
+    assert (len(model.contract.kv_windows), model.contract.recurrent.num_layers) == (2, 2)
 
     gen = torch.Generator().manual_seed(7)
     steps = 6

@@ -1,0 +1,126 @@
+"""``UnifiedRadixCache``: the UHRC tree core with the components a model's layer types need.
+
+``components``: ``("full",)``, ``("full", "swa")`` (needs ``sliding_window``; with
+``swa_allocator`` the window layers keep a pool of their own) or ``("full", "recurrent")``
+(needs ``recurrent_allocator``: a ``SlotAllocator``, or the engine's ``RecurrentPool``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from hyloop.cache.component_base import CacheComponent
+from hyloop.cache.component_recurrent import RecurrentComponent, SlotOwner
+from hyloop.cache.component_swa import SWAComponent
+from hyloop.cache.invariants import check_cache
+from hyloop.cache.no_reuse import NoReuseCache
+from hyloop.cache.protocol import PrefixCache
+from hyloop.cache.tree import RadixTree
+from hyloop.pools import KVPool, RecurrentPool
+from hyloop.pools.page_allocator import PageAllocator
+
+_ALLOWED = ({"full"}, {"full", "swa"}, {"full", "recurrent"})
+
+
+class UnifiedRadixCache(RadixTree):
+    """Radix tree of token keys -> KV slot indices (plus SWA and recurrent data)."""
+
+    def __init__(
+        self,
+        kv_allocator: PageAllocator,
+        page_size: int = 1,
+        components: Iterable[str] = ("full",),
+        sliding_window: int | None = None,
+        recurrent_allocator: SlotOwner | None = None,
+        swa_allocator: PageAllocator | None = None,
+    ) -> None:
+        names = tuple(components)
+        if set(names) not in _ALLOWED or len(set(names)) != len(names):
+            raise ValueError(
+                f"components must be one of ('full',), ('full', 'swa'), ('full', 'recurrent'); "
+                f"got {names!r}"
+            )
+        if not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+        if kv_allocator.page_size != page_size:
+            raise ValueError(
+                f"page_size {page_size} differs from the kv_allocator's page_size "
+                f"{kv_allocator.page_size}"
+            )
+        aux: list[CacheComponent] = []
+        if "swa" in names:
+            if sliding_window is None:
+                raise ValueError("components ('full', 'swa') need sliding_window=<tokens>")
+            aux.append(SWAComponent(self, sliding_window, swa_allocator, page_size))
+        elif sliding_window is not None or swa_allocator is not None:
+            raise ValueError(
+                f"sliding_window={sliding_window} / swa_allocator given without the 'swa' component"
+            )
+        if "recurrent" in names:
+            if recurrent_allocator is None:
+                raise ValueError(
+                    "components ('full', 'recurrent') need recurrent_allocator=<SlotAllocator>"
+                )
+            aux.append(RecurrentComponent(self, recurrent_allocator))
+        elif recurrent_allocator is not None:
+            raise ValueError("recurrent_allocator given without the 'recurrent' component")
+        super().__init__(kv_allocator, page_size, aux)
+
+    # -- sizes ----------------------------------------------------------------------------------
+    def _component(self, name: str) -> CacheComponent:
+        for c in self.components:
+            if c.name == name:
+                return c
+        raise ValueError(f"component {name!r} is not in this cache's {self.component_names}")
+
+    def evictable_size(self, component: str = "full") -> int:
+        """Unlocked data the tree could evict (tokens; snapshots for a snapshot component)."""
+        return self._component(component).evictable
+
+    def protected_size(self, component: str = "full") -> int:
+        """Locked data (tokens; snapshots for a snapshot component)."""
+        return self._component(component).protected
+
+    def total_size(self, component: str = "full") -> int:
+        c = self._component(component)
+        return c.evictable + c.protected
+
+    def check_invariants(
+        self,
+        request_held_tokens: int = 0,
+        pending_free_tokens: int = 0,
+        request_held_slots: int = 0,
+        pending_free_slots: int = 0,
+    ) -> None:
+        """Raise AssertionError unless the tree and its ledgers are consistent (see invariants):
+        ``request_held_*`` is what requests hold, ``pending_free_*`` what waits on a launched
+        step, in tokens (KV) and slots (snapshots)."""
+        held = dict(
+            request_held_tokens=request_held_tokens,
+            pending_free_tokens=pending_free_tokens,
+            request_held_slots=request_held_slots,
+            pending_free_slots=pending_free_slots,
+        )
+        check_cache(self, held)
+
+
+def build_cache(enable: bool, kv: KVPool, recurrent: RecurrentPool | None = None) -> PrefixCache:
+    """The UHRC with the components a model's pools need (or the no-reuse stand-in): window
+    data when the KV pool has a sliding-window pool, snapshots when there is a recurrent one."""
+    cls = UnifiedRadixCache if enable else NoReuseCache
+    if kv.swa is not None:
+        return cls(
+            kv_allocator=kv.allocator,
+            page_size=kv.page_size,
+            components=("full", "swa"),
+            sliding_window=kv.swa.window,
+            swa_allocator=kv.swa.allocator,
+        )
+    if recurrent is not None:
+        return cls(
+            kv_allocator=kv.allocator,
+            page_size=kv.page_size,
+            components=("full", "recurrent"),
+            recurrent_allocator=recurrent,
+        )
+    return cls(kv_allocator=kv.allocator, page_size=kv.page_size, components=("full",))

@@ -1,0 +1,253 @@
+"""Step kinds: how a scheduled batch becomes a ``StepBatch``, and the step function over it.
+
+A step kind owns its model, the request table its step reads and the two sets of step pools (its
+eager steps' and, through the capture buffer, its captured steps'). ``build(batch)`` is the host
+side of a step: device tensors for the batch's chunks (two host-to-device copies for a decode
+step), the table rows of requests new to it, and the static values the step is specialised on.
+``step(batch)`` is the unit a backend captures: forward, the recurrent track-slot scatter,
+last-row logits, sampling and logprobs, all tensor ops with no host sync.
+
+The token step lives here; the frame (TTS) step is ``hyloop.tts.frame_step.FrameStep``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from hyloop.cache.lease import Lease
+from hyloop.framework.requests import Batch, Chunk, Request
+from hyloop.framework.sampling_params import SamplingParams
+from hyloop.graphs.capture import ArtifactKey
+from hyloop.graphs.ops import scatter_track_slots
+from hyloop.graphs.sampler import candidate_cap, sample, token_hashes
+from hyloop.graphs.step_batch import RequestTable, StepBatch, StepOutput, StepPools, column
+
+
+@dataclasses.dataclass
+class TokenSampling(RequestTable):
+    """Per-request sampling of a token step: each ``column`` says where its value comes from,
+    and ``TokenStep.step`` reads it. The padding row samples greedily."""
+
+    temperature: torch.Tensor = column(torch.float32, 0.0, lambda r: r.params.temperature)
+    top_k: torch.Tensor = column(torch.int64, -1, lambda r: r.params.top_k)
+    top_p: torch.Tensor = column(torch.float32, 1.0, lambda r: r.params.top_p)
+    seed: torch.Tensor = column(torch.int64, 0, lambda r: r.seed32)
+
+
+def forward_last(model: nn.Module, batch: StepBatch) -> torch.Tensor:
+    """The model's hidden state at each row's last position ``[B, H]``; recurrent layers
+    publish their state into the rows' track slots (rows without a boundary write slot 0)."""
+    # NOTE: a captured step replays one view, so the per-step memo starts afresh each call
+    # (stored, never read: no guard depends on what the last replay left there).
+    batch.meta = {}
+    hidden = model(batch)
+    recurrent = batch.pools.recurrent
+    if recurrent is not None:
+        for buf in (*recurrent.temporal, *recurrent.conv):
+            scatter_track_slots(buf, batch.state_slots, batch.track_slots)
+    rows = torch.arange(hidden.shape[0], device=hidden.device)
+    return hidden[rows, batch.last_index]
+
+
+class StepKind:
+    """What every step kind shares: building ``StepBatch`` rows from a batch's chunks."""
+
+    table: ClassVar[type[RequestTable]] = TokenSampling
+    # Inductor options a compiled step of this kind takes on CPU unless the config sets them.
+    cpu_compile_options: ClassVar[dict[str, Any]] = {}
+
+    def __init__(
+        self,
+        model: nn.Module,
+        pools: StepPools,
+        captured_compute: Any,
+        vocab_size: int,
+        max_context: int,
+        kernels: Any = None,
+        **dims: int,
+    ) -> None:
+        self.model = model
+        self.device = pools.req_to_token.device
+        self.vocab_size = vocab_size
+        self.max_context = max_context
+        self.kernels = kernels  # CPU GEMM choices to complete before a capture (or None)
+        rows = pools.req_to_token.shape[0]
+        requests = self.table.allocate(rows, self.device, **dims)
+        self.pools = dataclasses.replace(pools, requests=requests)
+        self.captured_pools = dataclasses.replace(self.pools, compute=captured_compute)
+        self.tok_hash = token_hashes(vocab_size, self.device)
+        self.row_shape: tuple[int, ...] = ()
+
+    # -- what a batch samples with --------------------------------------------------------------
+    def filter_group(self, params: SamplingParams) -> tuple[float, int, float]:
+        """``(temperature, top_k, top_p)`` of the distribution whose filters size the step's
+        sampler (``sampler.candidate_cap``)."""
+        return (params.temperature, params.top_k, params.top_p)
+
+    def samples(self, params: SamplingParams) -> bool:
+        """Whether the request draws from noise at all (else it is greedy)."""
+        return params.temperature > 0
+
+    def mode(self, params: Iterable[SamplingParams]) -> tuple[int, int]:
+        """``(top_cap, num_logprobs)`` of a step over requests sampling with ``params``."""
+        params = list(params)
+        nlp = max((max(p.logprobs, 1) for p in params if p.logprobs is not None), default=0)
+        cap = candidate_cap((self.filter_group(p) for p in params), self.vocab_size)
+        return cap, min(nlp, self.vocab_size)
+
+    def prepare_capture(self, keys: Sequence[ArtifactKey]) -> None:
+        """Before capturing ``keys``: a compiled one-row step may run the GEMV, time it too."""
+        if self.kernels is not None and any(k.batch == 1 for k in keys):
+            self.kernels.calibrate_gemv()
+
+    # -- host side of a step --------------------------------------------------------------------
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the step's device. On CUDA the copy goes through pinned memory and
+        is queued on the current stream, so preparing step N+2 never waits for step N+1."""
+        if self.device.type != "cuda" or host.device.type == "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def build(self, batch: Batch, keep_logits: bool = False) -> StepBatch:
+        """The step's ``StepBatch``; a ``planned`` batch's input ids are bound at launch."""
+        chunks = batch.chunks
+        table = self.pools.requests
+        assert table is not None
+        for c in chunks:
+            table.take(_lease(c).req_row, c.req)
+        params = [c.req.params for c in chunks]
+        top_cap, nlp = self.mode(params)
+        static = dict(
+            top_cap=top_cap,
+            num_logprobs=nlp,
+            keep_logits=keep_logits,
+            greedy_only=not any(self.samples(p) for p in params),
+        )
+        if batch.is_decode:
+            return self._decode(chunks, batch.planned, **static)
+        return self._prefill(chunks, **static)
+
+    def _decode(self, chunks: list[Chunk], planned: bool, **static: Any) -> StepBatch:
+        """Every per-row int goes to the device in one tensor; the new tokens' KV slots are
+        then gathered from the req->token table on the device."""
+        n, pos = len(chunks), [c.start for c in chunks]
+        ints = [
+            pos,
+            [_lease(c).req_row for c in chunks],
+            [_lease(c).state_slot for c in chunks],
+            [c.track_slot for c in chunks],
+            _out_pos(chunks),
+        ]
+        if not planned and not self.row_shape:
+            ints.append([c.req.output_ids[-1] for c in chunks])
+        packed = self.to_device(torch.tensor(ints, dtype=torch.int64))
+        positions, rows = packed[0], packed[1]
+        if planned:
+            ids = torch.zeros(n, 1, *self.row_shape, dtype=torch.int64, device=self.device)
+        elif self.row_shape:
+            ids = self.to_device(self.last_rows(chunks)).view(n, 1, *self.row_shape)
+        else:
+            ids = packed[5].view(n, 1)
+        return StepBatch(
+            input_ids=ids,
+            positions=positions.view(-1, 1),
+            out_cache_loc=self.pools.req_to_token[rows, positions].to(torch.int64).view(-1, 1),
+            req_rows=rows,
+            prefix_lens=positions,
+            extend_lens=torch.ones_like(positions),
+            state_slots=packed[2],
+            track_slots=packed[3],
+            out_pos=packed[4],
+            pools=self.pools,
+            kv_len=max(pos) + 1,
+            is_decode=True,
+            **static,
+        )
+
+    def last_rows(self, chunks: list[Chunk]) -> torch.Tensor:
+        """The rows a decode step of a multi-channel kind reads (a token kind reads ids)."""
+        raise NotImplementedError(f"{type(self).__name__} reads token ids, not rows")
+
+    def prefill_inputs(self, req: Request, start: int, length: int) -> torch.Tensor:
+        """Input ids (or rows) of ``length`` prompt positions from ``start``."""
+        return torch.tensor(req.all_ids[start : start + length], dtype=torch.int64)
+
+    def _prefill(self, chunks: list[Chunk], **static: Any) -> StepBatch:
+        """Chunks of ``[B, T]`` rows, padded to the longest chunk."""
+        b, t = len(chunks), max(c.length for c in chunks)
+        ids = torch.zeros(b, t, *self.row_shape, dtype=torch.int64)
+        pos = torch.zeros(b, t, dtype=torch.int64)
+        loc = torch.zeros(b, t, dtype=torch.int64)
+        limit = self.max_context - 1
+        for i, c in enumerate(chunks):
+            ids[i, : c.length] = self.prefill_inputs(c.req, c.start, c.length)
+            pos[i] = torch.arange(c.start, c.start + t).clamp_max(limit)
+            loc[i, : c.length] = _lease(c).slots[c.start : c.start + c.length]
+        per_row = torch.tensor(
+            [
+                [_lease(c).req_row for c in chunks],
+                [c.start for c in chunks],
+                [c.length for c in chunks],
+                [_lease(c).state_slot for c in chunks],
+                [c.track_slot for c in chunks],
+                _out_pos(chunks),
+            ],
+            dtype=torch.int64,
+        )
+        rows, prefix, ext, state, track, out_pos = self.to_device(per_row)
+        return StepBatch(
+            input_ids=self.to_device(ids),
+            positions=self.to_device(pos),
+            out_cache_loc=self.to_device(loc),
+            req_rows=rows,
+            prefix_lens=prefix,
+            extend_lens=ext,
+            state_slots=state,
+            track_slots=track,
+            out_pos=out_pos,
+            pools=self.pools,
+            kv_len=max(c.start + c.length for c in chunks),
+            **static,
+        )
+
+
+def _lease(c: Chunk) -> Lease:
+    assert c.req.lease is not None, f"request {c.req.request_id!r} holds no lease"
+    return c.req.lease
+
+
+def _out_pos(chunks: list[Chunk]) -> list[int]:
+    """The output index each chunk samples at (a mid-prompt chunk's token is discarded)."""
+    return [c.out_pos if c.out_pos >= 0 else len(c.req.output_ids) for c in chunks]
+
+
+class TokenStep(StepKind):
+    """The token step: one forward and one sampled token per row."""
+
+    def step(self, batch: StepBatch) -> StepOutput:
+        """One forward + sample. Shapes are fixed by ``batch``: capture-safe."""
+        logits = self.model.compute_logits(forward_last(self.model, batch))
+        s, rows = batch.pools.requests, batch.req_rows
+        assert isinstance(s, TokenSampling)
+        next_ids = sample(
+            logits,
+            s.temperature[rows],
+            s.top_k[rows],
+            s.top_p[rows],
+            s.seed[rows],
+            batch.out_pos,
+            self.tok_hash,
+            batch.top_cap,
+            batch.greedy_only,
+        )
+        if batch.num_logprobs == 0:
+            return StepOutput(next_ids, logits)
+        lp = logits.log_softmax(dim=-1)
+        chosen = lp.gather(1, next_ids[:, None]).squeeze(1)
+        top_lp, top_ids = lp.topk(batch.num_logprobs, dim=-1)
+        return StepOutput(next_ids, logits, top_lp, top_ids, chosen)

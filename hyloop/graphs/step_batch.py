@@ -1,0 +1,304 @@
+"""The step object: one batch from the scheduler side to the kernels, and its capture buffer.
+
+``StepBatch`` is what one batched forward reads. Its row fields are device tensors, one row per
+request chunk over a padded ``[B, T]`` token layout (``T == 1`` in decode); its static values
+(``kv_len``, the sampling mode, ``is_decode``) are Python values a captured artifact is
+specialised on. Per-request values that do not change while a request runs (its sampling
+parameters, state the step itself updates) live in a ``RequestTable``: device tensors of one row
+per req->token row, written once when a request takes its row and read through ``req_rows``, so
+a captured step reads them like a pool and a per-request field is declared once, where its
+value comes from (``column``).
+
+``CaptureBuffer`` is the fixed-address form a captured step reads: ``init(max_bs)``,
+``view(bs, ...)`` (a ``StepBatch`` over the first rows) and ``copy_from(batch)`` (rows in
+place, the rest inert padding). ``StepOutput`` is what a step returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = [
+    "CaptureBuffer",
+    "RequestTable",
+    "StepBatch",
+    "StepOutput",
+    "StepPools",
+    "column",
+    "check_batch",
+    "row_fields",
+]
+
+T = TypeVar("T", bound="RequestTable")
+_PADDING_ROW = -1  # stands for the pool's padding row (``CaptureBuffer.init``)
+
+
+def _row(pad: int = 0, tokens: bool = False) -> Any:
+    """A per-row int64 field: ``[B, T]`` (``tokens``) or ``[B]``; ``pad`` is what an inert
+    padding row holds."""
+    return field(metadata={"pad": pad, "tokens": tokens})
+
+
+@dataclass
+class StepPools:
+    """What every step of an engine shares, at fixed addresses."""
+
+    req_to_token: torch.Tensor  # [max_requests + 1, max_context] int32
+    kv: Any = None  # KVPool (per-layer .k / .v, and .swa for sliding-window layers)
+    recurrent: Any = None  # RecurrentPool of hybrid models
+    requests: RequestTable | None = None  # the step kind's per-request tensors
+    compute: Any = None  # the models' compute path (attention kernels), chosen at assembly
+
+    @property
+    def padding_row(self) -> int:
+        return self.req_to_token.shape[0] - 1
+
+
+@dataclass
+class StepBatch:
+    """One batched forward. Row ``b`` holds ``extend_lens[b]`` real new tokens (left-aligned)
+    of the request whose req->token row is ``req_rows[b]``.
+
+    NOTE: a padding row writes only KV slot 0 and state slot 0 (the sinks), reads the padding
+    req->token row at position 0 (one key: the sink), samples greedily from the padding
+    request-table row and publishes no track slot.
+    """
+
+    input_ids: torch.Tensor = _row(tokens=True)  # [B, T] token ids, or [B, T, C] rows
+    positions: torch.Tensor = _row(tokens=True)  # [B, T] absolute positions
+    out_cache_loc: torch.Tensor = _row(tokens=True)  # [B, T] KV slot each new token writes
+    req_rows: torch.Tensor = _row(pad=_PADDING_ROW)  # [B] req->token (and request-table) row
+    prefix_lens: torch.Tensor = _row()  # [B] tokens already in the KV
+    extend_lens: torch.Tensor = _row()  # [B] real new tokens (0: a padding row)
+    state_slots: torch.Tensor = _row()  # [B] recurrent working slot
+    track_slots: torch.Tensor = _row()  # [B] track slot to publish the state into (0: none)
+    out_pos: torch.Tensor = _row()  # [B] index in the output of the token being sampled
+    pools: StepPools
+    kv_len: int  # static: table columns attention reads (>= max(prefix + extend))
+    is_decode: bool = False  # static: one new token per row (the decode path of every layer)
+    top_cap: int = 0  # static: sampler candidates (``sampler.candidate_cap``)
+    num_logprobs: int = 0  # static: top logprobs returned per row
+    keep_logits: bool = False  # static: the output keeps the logits
+    greedy_only: bool = False  # static, eager steps only: every row is greedy
+    # Per-step values computed once and shared by every layer (attention indices, RoPE rows).
+    meta: dict[Any, Any] = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def mode(self) -> tuple[int, int]:
+        """The sampling mode flags an artifact is specialised on besides its two sizes."""
+        return (self.top_cap, self.num_logprobs)
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        return self.prefix_lens + self.extend_lens
+
+    @property
+    def last_index(self) -> torch.Tensor:
+        """Index (within T) of each row's last real token; 0 for padding rows."""
+        return (self.extend_lens - 1).clamp_min(0)
+
+    def rows(self, start: int, stop: int) -> StepBatch:
+        """Rows ``[start, stop)`` as views (a piece of a batch split across buckets)."""
+        sliced = {f.name: getattr(self, f.name)[start:stop] for f in row_fields()}
+        return dataclasses.replace(self, **sliced, meta={})
+
+
+def row_fields() -> tuple[dataclasses.Field[Any], ...]:
+    return _ROW_FIELDS
+
+
+_ROW_FIELDS = tuple(f for f in dataclasses.fields(StepBatch) if "pad" in f.metadata)
+
+
+@dataclass
+class StepOutput:
+    """What a step returns; every tensor is batch-major."""
+
+    next_ids: torch.Tensor  # [B] int64 (multi-channel models: the row keys)
+    logits: torch.Tensor | None = None  # [B, V] (or [B, C, V]) fp32
+    top_lp: torch.Tensor | None = None  # [B, K] logprobs of the top tokens
+    top_ids: torch.Tensor | None = None  # [B, K]
+    chosen_lp: torch.Tensor | None = None  # [B] logprob of the sampled token
+    next_rows: torch.Tensor | None = None  # [B, C] multi-channel models
+
+    @property
+    def feedback(self) -> torch.Tensor:
+        """What the next decode step reads as its input: the rows, or the token ids."""
+        return self.next_rows if self.next_rows is not None else self.next_ids
+
+    def owned(self, n: int, keep_logits: bool) -> StepOutput:
+        """The first ``n`` rows in fresh memory, which a later replay cannot overwrite."""
+        kept = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if not keep_logits:
+            kept["logits"] = None
+        return StepOutput(**{k: None if t is None else t[:n].clone() for k, t in kept.items()})
+
+    @staticmethod
+    def concat(parts: list[StepOutput]) -> StepOutput:
+        """The outputs of a batch split into pieces, joined back in row order."""
+        joined = {}
+        for f in dataclasses.fields(StepOutput):
+            ts = [getattr(p, f.name) for p in parts]
+            joined[f.name] = None if ts[0] is None else torch.cat(ts)
+        return StepOutput(**joined)
+
+
+@dataclass(frozen=True)
+class Column:
+    dtype: torch.dtype
+    pad: float | int
+    of: Callable[[Any], Any] | None  # the request's value (host); None: reset to ``pad``
+    shape: tuple[int | str, ...]  # trailing dims; a str names a dim given to ``allocate``
+
+
+def column(
+    dtype: torch.dtype,
+    pad: float | int,
+    of: Callable[[Any], Any] | None = None,
+    shape: tuple[int | str, ...] = (),
+) -> Any:
+    """Declare a per-request tensor of a ``RequestTable``: its dtype, the value of the padding
+    row (and of a row before a request takes it), and how a request's value is computed
+    (``of(request)``; None for state that the step updates itself, reset when a row is taken)."""
+    return field(default=None, metadata={"column": Column(dtype, pad, of, shape)})
+
+
+@dataclass
+class RequestTable:
+    """Per-request device tensors ``[rows, *shape]``: every dataclass field of a subclass
+    declared with ``column``. Row ``r`` belongs to the request holding req->token row ``r``;
+    the last row is the padding request's and keeps the pad values."""
+
+    def __post_init__(self) -> None:
+        self._owner: list[Any] = []
+
+    @classmethod
+    def columns(cls) -> dict[str, Column]:
+        plain = [f.name for f in dataclasses.fields(cls) if "column" not in f.metadata]
+        if plain:
+            raise TypeError(f"{cls.__name__}.{plain[0]}: declare request tensors with column()")
+        return {f.name: f.metadata["column"] for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def allocate(cls: type[T], rows: int, device: torch.device | str, **dims: int) -> T:
+        tensors = {}
+        for name, c in cls.columns().items():
+            shape = tuple(dims[d] if isinstance(d, str) else d for d in c.shape)
+            tensors[name] = torch.full((rows, *shape), c.pad, dtype=c.dtype, device=device)
+        table = cls(**tensors)
+        table._owner = [None] * rows
+        return table
+
+    def take(self, row: int, req: Any) -> None:
+        """``req`` holds ``row`` now: write its values there (host, once per request)."""
+        if self._owner[row] is req:
+            return
+        self._owner[row] = req
+        for name, c in self.columns().items():
+            t: torch.Tensor = getattr(self, name)
+            value = c.pad if c.of is None else c.of(req)
+            if isinstance(value, int | float):
+                t[row] = value
+            else:
+                t[row].copy_(torch.as_tensor(value, dtype=c.dtype), non_blocking=True)
+
+
+@dataclass
+class CaptureBuffer:
+    """Persistent row buffers of ``max_bs`` rows that captured steps read, updated in place."""
+
+    full: StepBatch
+
+    @classmethod
+    def init(
+        cls, max_bs: int, pools: StepPools, kv_len: int, channels: int | None = None
+    ) -> CaptureBuffer:
+        """Buffers for up to ``max_bs`` rows, all padding rows; ``channels`` makes
+        ``input_ids`` ``[max_bs, 1, channels]`` (multi-channel rows)."""
+        if isinstance(max_bs, bool) or not isinstance(max_bs, int) or max_bs < 1:
+            raise ValueError(f"CaptureBuffer.init: max_bs {max_bs!r}, expected an int >= 1")
+        device = pools.req_to_token.device
+        rows = {}
+        for f in row_fields():
+            shape: tuple[int, ...] = (max_bs, 1) if f.metadata["tokens"] else (max_bs,)
+            if f.name == "input_ids" and channels:
+                shape = (max_bs, 1, channels)
+            rows[f.name] = torch.zeros(shape, dtype=torch.int64, device=device)
+        full = StepBatch(**rows, pools=pools, kv_len=kv_len, is_decode=True, keep_logits=True)
+        buffer = cls(full)
+        buffer.fill_padding(buffer.full)
+        return buffer
+
+    @property
+    def max_bs(self) -> int:
+        return self.full.batch_size
+
+    def view(self, bs: int, kv_len: int, top_cap: int = 0, num_logprobs: int = 0) -> StepBatch:
+        """The first ``bs`` rows (shared storage) with these static values."""
+        if not 1 <= bs <= self.max_bs:
+            raise ValueError(f"CaptureBuffer.view: bs {bs}, expected 1..{self.max_bs}")
+        rows = {f.name: getattr(self.full, f.name)[:bs] for f in row_fields()}
+        return dataclasses.replace(
+            self.full, **rows, kv_len=kv_len, top_cap=top_cap, num_logprobs=num_logprobs, meta={}
+        )
+
+    @staticmethod
+    def copy_from(view: StepBatch, batch: StepBatch) -> None:
+        """Write ``batch``'s rows into ``view`` in place and make its other rows padding. The
+        static values must fit the view, else the captured step would compute something else."""
+        n, bs = batch.batch_size, view.batch_size
+        if n > bs:
+            raise ValueError(f"CaptureBuffer.copy_from: batch of {n} rows, expected <= {bs}")
+        if batch.kv_len > view.kv_len:
+            raise ValueError(
+                f"CaptureBuffer.copy_from: kv_len {batch.kv_len}, expected <= {view.kv_len}"
+            )
+        if batch.mode != view.mode:
+            raise ValueError(
+                f"CaptureBuffer.copy_from: sampling mode (top_cap, num_logprobs) {batch.mode}, "
+                f"expected {view.mode}"
+            )
+        for f in row_fields():
+            getattr(view, f.name)[:n].copy_(getattr(batch, f.name), non_blocking=True)
+        CaptureBuffer.fill_padding(view, n)
+
+    @staticmethod
+    def fill_padding(view: StepBatch, start: int = 0) -> None:
+        """Make rows ``[start, bs)`` of ``view`` padding rows (all rows by default)."""
+        if start >= view.batch_size:
+            return
+        for f in row_fields():
+            pad = f.metadata["pad"]
+            getattr(view, f.name)[start:].fill_(view.pools.padding_row if pad < 0 else pad)
+
+
+def check_batch(batch: StepBatch) -> None:
+    """Shapes, dtypes and static values of ``batch``; reads no tensor value (no host sync)."""
+    b = batch.batch_size
+    if b < 1:
+        raise ValueError(f"StepBatch.input_ids: batch size {b}, expected >= 1")
+    lead = tuple(batch.input_ids.shape[:2])
+    for f in row_fields():
+        t = getattr(batch, f.name)
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int64:
+            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"StepBatch.{f.name}: {got}, expected an int64 tensor")
+        want = lead if f.metadata["tokens"] else (b,)
+        dims = (2, 3) if f.name == "input_ids" else (len(want),)
+        if tuple(t.shape[: len(want)]) != want or t.dim() not in dims:
+            raise ValueError(f"StepBatch.{f.name}: shape {tuple(t.shape)}, expected {want}")
+        if t.device != batch.input_ids.device:
+            raise ValueError(f"StepBatch.{f.name}: on {t.device}, expected input_ids' device")
+    for name, low in (("kv_len", 1), ("top_cap", 0), ("num_logprobs", 0)):
+        value = getattr(batch, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"StepBatch.{name}: {value!r}, expected an int >= {low}")

@@ -1,0 +1,189 @@
+"""hyloop's CPU kernels (``cpu_ops.cpp``), built once per machine with the system C++ compiler.
+
+- ``hyloop::decode_attention(q [B, Hq, D], k_buf, v_buf [slots, Hkv, D], slots [B, L] int64,
+  bias [B, L] fp32, scale) -> [B, Hq, D]``: one query row per sequence over the paged pool, read
+  in place at visible columns only (``bias != -inf``), so its cost follows the real context, not
+  the kv_len bucket (inductor makes the column softmax a parallel reduction per row, and eager
+  gathers and converts every column first).
+- ``hyloop::topk_rows(x [B, V] fp32, k) -> (values, indices)``: the k largest per row,
+  descending, ties to the lower index (a sampler's few candidates).
+- ``hyloop::packed_linear_native(x, handle)``: ``PackedLinear``'s GEMM with no Python kernel, for
+  a compiled step's C++ wrapper to call directly; ``register_packed`` hands it the weights.
+
+``layers.attention.NativePath`` is the compute path over the first two; ``bench/tts_frames.py``
+and ``bench/decode_step.py`` measure what each saves.
+
+The library is ``$HYLOOP_CACHE_DIR/cpu_ops/<key>.so``, keyed by the source, torch and the CPU (it
+is built with ``-march=native``). With ``build=False`` (the engine's ``model.cpu_ops=auto``)
+``ensure_loaded`` builds a missing library only after this process exits, so a first run neither
+waits for the compiler nor shares its cores with it. Without a compiler, or when the build fails,
+it logs why and callers keep their PyTorch paths. ``HYLOOP_CPU_OPS=0`` turns the kernels off.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import logging
+import os
+import shlex
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+import weakref
+from pathlib import Path
+
+import torch
+
+from hyloop.models.cpu.kernel_choice import cache_dir, cpu_description
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+
+_LIB = torch.library.Library("hyloop", "FRAGMENT")
+_LIB.define(
+    "decode_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor slots, Tensor bias, "
+    "float scale) -> Tensor"
+)
+
+
+@torch.library.register_fake("hyloop::decode_attention", lib=_LIB)
+def _decode_attention_fake(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    slots: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def _topk_rows_fake(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return x.new_empty((x.shape[0], k)), x.new_empty((x.shape[0], k), dtype=torch.long)
+
+
+_lock = threading.Lock()
+_state: dict[str, bool] = {}  # "loaded": the kernels are registered (absent: not tried yet)
+
+
+def available() -> bool:
+    """Whether the kernels are loaded (``ensure_loaded`` ran and succeeded)."""
+    return _state.get("loaded", False)
+
+
+def ensure_loaded(build: bool = True) -> bool:
+    """Load the kernels, building them first when ``build`` (else in the background, for later
+    runs); False when they cannot be had. The first answer stands, so a process never mixes the
+    kernels with the torch paths."""
+    with _lock:
+        if "loaded" not in _state:
+            _state["loaded"] = _load(build)
+        return _state["loaded"]
+
+
+def register_packed(model: torch.nn.Module) -> None:
+    """Hand every packed Linear of ``model`` to ``hyloop::packed_linear_native`` (the loaded
+    kernels' registry), so compiled steps call its GEMM with no Python in between."""
+    from hyloop.models.cpu.packed_linear import PackedLinear
+
+    for module in model.modules():
+        if isinstance(module, PackedLinear) and not module.native:
+            torch.ops.hyloop.register_packed(module.handle, module.packed, module.bias)
+            weakref.finalize(module, torch.ops.hyloop.unregister_packed, module.handle)
+            module.native = True
+
+
+def _flags() -> list[str]:
+    from torch.utils import cpp_extension
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    libs = [f"-L{p}" for p in cpp_extension.library_paths()]
+    opts = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++20", "-fopenmp"]
+    return [*opts, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, *libs, "-lc10", "-ltorch_cpu"]
+
+
+def _compile_command(compiler: str, out: str) -> list[str]:
+    return [compiler, str(SOURCE), "-o", out, *_flags()]
+
+
+def library_path() -> Path:
+    cpu = cpu_description()
+    parts = [SOURCE.read_text(), torch.__version__, cpu["model"], cpu["flags"], *_flags()]
+    key = hashlib.blake2b("\n".join(parts).encode(), digest_size=8).hexdigest()
+    return cache_dir() / "cpu_ops" / f"{key}.so"
+
+
+def _load(build: bool) -> bool:
+    if os.environ.get("HYLOOP_CPU_OPS", "1") == "0":
+        return False
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        log.warning("hyloop CPU kernels: no C++ compiler found; using plain PyTorch paths")
+        return False
+    path = library_path()
+    if not path.exists() and not build:
+        log.info("hyloop CPU kernels not built yet: torch ops now, a build at exit for later runs")
+        _build_in_background(compiler, path)
+        return False
+    try:
+        if not path.exists():
+            _build(compiler, path)
+        torch.ops.load_library(str(path))
+        from hyloop.models.cpu.packed_linear import _packed_linear_fake
+
+        # Same output as the Python-kernel hyloop::packed_linear.
+        torch.library.register_fake("hyloop::packed_linear_native", _packed_linear_fake)
+        torch.library.register_fake("hyloop::topk_rows", _topk_rows_fake)
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", None) or str(e)
+        log.warning("hyloop CPU kernels unavailable (%s); plain PyTorch paths", detail[-2000:])
+        return False
+    return True
+
+
+def _build_in_background(compiler: str, path: Path) -> None:
+    """When this process exits, start a detached, niced build of ``path`` (unless one started in
+    the last 10 minutes): the build never competes with this process's own job."""
+    atexit.register(_spawn_build, compiler, path)
+
+
+def _spawn_build(compiler: str, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    marker = path.with_suffix(".building")
+    try:
+        if time.time() - marker.stat().st_mtime < 600:
+            return
+    except OSError:
+        pass
+    marker.touch()
+    tmp = f"{path}.{os.getpid()}.tmp"
+    command = shlex.join(_compile_command(compiler, tmp))
+    script = f"{command} && mv -f {shlex.quote(tmp)} {shlex.quote(str(path))}; "
+    script += f"rm -f {shlex.quote(tmp)} {shlex.quote(str(marker))}"
+    nice = ["nice", "-n", "19"] if shutil.which("nice") else []
+    subprocess.Popen(
+        [*nice, "sh", "-c", script],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # outlives this process
+    )
+
+
+def _build(compiler: str, path: Path) -> None:
+    log.info("building hyloop CPU kernels into %s (once per machine)", path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target, then rename: processes building at once never load a partial file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        subprocess.run(_compile_command(compiler, tmp), check=True, capture_output=True, text=True)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

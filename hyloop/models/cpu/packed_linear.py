@@ -1,0 +1,166 @@
+"""Linear layers whose weights are pre-packed for oneDNN on CPU.
+
+A plain ``F.linear`` re-packs its weight matrix on every call; at decode batch sizes that
+packing, not the arithmetic, dominates (the weights stream from memory once per step anyway),
+so the weights are packed once at load time.
+
+A ``PackedLinear`` runs as one operator, ``hyloop::linear``, whose two forms are the two
+kernels measured fastest on this machine (``kernel_choice``) for the row count at hand: its CPU
+kernel is the eager step's choice, and its inductor decomposition the compiled step's, which
+may be the one-row GEMV (a multiply-reduce inductor fuses with its neighbours) or the packed
+GEMM as an opaque call (``hyloop::packed_linear``, or the C++ ``packed_linear_native`` when
+the CPU kernels are loaded). Nothing in the layer asks whether it is being compiled.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._decomp import register_decomposition
+from torch._inductor.decomposition import decompositions as inductor_decompositions
+
+_PACKED: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
+_HANDLES = itertools.count(1)
+
+
+def packing_available(device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN can pack a ``dtype`` weight here (its bf16 path needs AVX-512 or
+    AVX-NE-CONVERT)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+# Plain operator definitions with CPU kernels, not ``torch.library.custom_op``: that wrapper's
+# Python layers cost several times the dispatch of these.
+_LIB = torch.library.Library("hyloop", "FRAGMENT")
+_LIB.define("packed_linear(Tensor x, int handle) -> Tensor")
+_LIB.define("linear(Tensor x, Tensor weight, Tensor? bias, int handle) -> Tensor")
+
+
+def _packed_linear_cpu(x: torch.Tensor, handle: int) -> torch.Tensor:
+    return _PACKED[handle].run_packed(x)
+
+
+def _linear_cpu(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int
+) -> torch.Tensor:
+    return _PACKED[handle].eager_form(x)
+
+
+_LIB.impl("packed_linear", _packed_linear_cpu, "CPU")
+_LIB.impl("linear", _linear_cpu, "CPU")
+for _op in ("packed_linear", "linear"):  # inference only: no gradient through the packed copy
+    _LIB.impl(_op, torch.library.fallthrough_kernel, "Autograd")
+
+
+@torch.library.register_fake("hyloop::packed_linear", lib=_LIB)
+def _packed_linear_fake(x: torch.Tensor, handle: int) -> torch.Tensor:
+    layer = _PACKED[handle]
+    return x.new_empty((*x.shape[:-1], layer.out_features))
+
+
+@torch.library.register_fake("hyloop::linear", lib=_LIB)
+def _linear_fake(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int
+) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@register_decomposition(torch.ops.hyloop.linear.default, registry=inductor_decompositions)
+def _linear_compiled(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int
+) -> torch.Tensor:
+    return _PACKED[handle].compiled_form(x, weight, bias)
+
+
+packed_linear = torch.ops.hyloop.packed_linear
+linear = torch.ops.hyloop.linear
+
+
+class PackedLinear(nn.Module):
+    """Drop-in for an ``nn.Linear`` (same parameters and names) plus a packed weight copy.
+
+    ``kernels`` maps a row count to the kernel measured fastest for it on this machine
+    (``kernel_choice``): ``linear``, ``packed`` or ``gemv`` (compiled steps only); a row count
+    between two measured ones takes the choice of the next measured one above it.
+    """
+
+    def __init__(self, linear: nn.Linear, batch_hint: int = 16) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        if hasattr(linear, "shard_sizes"):
+            self.shard_sizes = linear.shard_sizes
+        with torch.no_grad():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_hint)
+        self.handle = next(_HANDLES)
+        _PACKED[self.handle] = self
+        self.kernels: tuple[tuple[int, str], ...] = ()  # (rows, kernel), rows ascending
+        self.native = False  # registered with ``hyloop::packed_linear_native`` (``cpu_ops``)
+
+    def set_kernels(self, kernels: dict[int, str]) -> None:
+        self.kernels = tuple(sorted(kernels.items()))
+
+    def kernel(self, rows: int, compiled: bool) -> str:
+        """The measured kernel for ``rows`` rows; unmeasured, the packed GEMM (the GEMV for one
+        row of a compiled step)."""
+        for measured, kernel in self.kernels:
+            if measured >= rows:
+                return kernel
+        if self.kernels:
+            return self.kernels[-1][1]
+        return "gemv" if rows == 1 and compiled else "packed"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.handle)
+
+    def eager_form(self, x: torch.Tensor) -> torch.Tensor:
+        """``hyloop::linear``'s CPU kernel (eager steps): the GEMV pays only when fused."""
+        if self.kernel(x.numel() // self.in_features, compiled=False) == "linear":
+            return F.linear(x, self.weight, self.bias)
+        return self.run_packed(x)
+
+    def compiled_form(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``hyloop::linear`` as inductor lowers it (traced with static shapes)."""
+        rows = x.numel() // self.in_features
+        kernel = self.kernel(rows, compiled=True)
+        if kernel == "linear":
+            return F.linear(x, weight, bias)
+        if kernel == "gemv" and rows == 1:
+            # One vectorised, threaded multiply-reduce: it can stream the weight faster than a
+            # GEMM call on some CPUs.
+            out = (weight * x.reshape(1, self.in_features)).sum(-1)
+            out = out if bias is None else out + bias
+            return out.view(*x.shape[:-1], self.out_features)
+        if self.native:
+            return torch.ops.hyloop.packed_linear_native(x, self.handle)
+        return packed_linear(x, self.handle)
+
+    def run_packed(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+# Below this many weights the oneDNN call costs more than the re-packing it saves.
+MIN_PACKED_WEIGHTS = 1 << 16
+
+
+def pack_linears(model: nn.Module, batch_hint: int = 16) -> int:
+    """Replace each large ``nn.Linear`` of ``model`` whose dtype oneDNN can pack here by a
+    ``PackedLinear``; returns how many."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            big = type(child) is nn.Linear and child.weight.numel() >= MIN_PACKED_WEIGHTS
+            if big and packing_available(child.weight.device, child.weight.dtype):
+                setattr(parent, name, PackedLinear(child, batch_hint))
+                count += 1
+    return count
