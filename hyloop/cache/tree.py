@@ -10,7 +10,6 @@ drives it for requests; ``peek_prefix_len`` probes without side effects (routing
 from __future__ import annotations
 
 import itertools
-from collections import defaultdict
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -55,7 +54,7 @@ class RadixTree:
         self._receipt_ids = itertools.count(1)
         # receipt id -> (receipt, what each component's lock returned, by component kind)
         self._receipts: dict[int, tuple[IncLockRefResult, dict[int, Any]]] = {}
-        self._to_free: dict[int, list[Any]] = defaultdict(list)
+        self._to_free: dict[int, list[Any]] = {}
         # Told of every node the tree removes (e.g. the position-independent donor index).
         self.delete_listeners: list[Callable[[TreeNode], None]] = []
         self.full = FullComponent(self, kv_allocator)
@@ -64,6 +63,8 @@ class RadixTree:
         self.aux = aux
         self.components: list[CacheComponent] = [self.full, *aux]
         self._by_kind = {c.kind: c for c in self.components}
+        self._to_free = {c.kind: [] for c in self.components}
+        self._evict_order = sorted(self.components, key=lambda c: c.priority)
         self.component_names = tuple(c.name for c in self.components)
 
     def _tick(self) -> int:
@@ -143,10 +144,11 @@ class RadixTree:
         return node
 
     def _flush_frees(self) -> None:
-        queued, self._to_free = self._to_free, defaultdict(list)
-        for kind, items in queued.items():
+        for kind, items in self._to_free.items():
             if items:
-                self._by_kind[kind].free(items)
+                queued = items.copy()
+                items.clear()
+                self._by_kind[kind].free(queued)
 
     # -- component surface (ComponentHost) ------------------------------------------------------
     def delete_leaf(self, node: TreeNode) -> None:
@@ -313,7 +315,7 @@ class RadixTree:
         """Cascade from low to high priority (snapshots, window KV, FULL), each in its LRU
         order; locked data stays."""
         before = [c.evictable + c.protected for c in self.components]
-        for c in sorted(self.components, key=lambda c: c.priority):
+        for c in self._evict_order:
             amount = getattr(params, c.evict_param)
             if amount > 0:
                 c.evict(amount)

@@ -78,8 +78,8 @@ def _linear_compiled(
     return _PACKED[handle].compiled_form(x, weight, bias)
 
 
-packed_linear = torch.ops.hyloop.packed_linear
-linear = torch.ops.hyloop.linear
+packed_linear = torch.ops.hyloop.packed_linear.default
+linear = torch.ops.hyloop.linear.default
 
 
 class PackedLinear(nn.Module):
