@@ -79,7 +79,7 @@ def run_engine(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict[str,
         "tok_s": d["decode_tokens"] / d["decode_time"],
         "graph_replays": s1["graph_replays"] - s0["graph_replays"],
         "eager_fallbacks": s1["eager_fallbacks"] - s0["eager_fallbacks"],
-        "token_ids": [o.token_ids for o in outs],
+        "token_ids": [o.outputs[0].token_ids for o in outs],
     }
 
 

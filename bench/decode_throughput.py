@@ -86,8 +86,10 @@ def run_hyloop(
         outs = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - t0
         s1 = llm.stats()
-        if any(len(o.token_ids) != new_tokens for o in outs):
-            raise RuntimeError(f"hyloop produced {[len(o.token_ids) for o in outs]} tokens")
+        if any(len(o.outputs[0].token_ids) != new_tokens for o in outs):
+            raise RuntimeError(
+                f"hyloop produced {[len(o.outputs[0].token_ids) for o in outs]} tokens"
+            )
         decode_tokens = s1["decode_tokens"] - s0["decode_tokens"]
         decode_tok_s = decode_tokens / (s1["decode_time"] - s0["decode_time"])
         if decode_tok_s > best.get("decode_tok_s", 0.0):
@@ -95,7 +97,7 @@ def run_hyloop(
                 "decode_tok_s": decode_tok_s,
                 "e2e_tok_s": len(prompts) * new_tokens / wall,
                 "decode_steps": s1["decode_steps"] - s0["decode_steps"],
-                "token_ids": [o.token_ids for o in outs],
+                "token_ids": [o.outputs[0].token_ids for o in outs],
             }
     return best
 

@@ -170,7 +170,7 @@ out = {}
 for backend in ("eager", "auto"):
     with LLM(model=ckpt, overrides=[f"graphs.backend={backend}", *base]) as llm:
         t0 = time.perf_counter()
-        ids = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        ids = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         s = llm.stats()
         out[backend] = {"ids": ids, "wall_s": time.perf_counter() - t0, "plan": s["auto_plan"],
                         "replays": s["graph_replays"], "uncaptured": s["uncaptured_steps"],

@@ -156,7 +156,7 @@ def run_wave(
         "graph_replays": s1["graph_replays"] - s0["graph_replays"],
         "recompiles": s1["recompiles"],
         "cached_tokens": s1["cached_tokens"] - s0["cached_tokens"],
-        "token_ids": [o.token_ids for o in outs],
+        "token_ids": [o.outputs[0].token_ids for o in outs],
     }
 
 

@@ -104,7 +104,9 @@ def run_arm(
         ]
     greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     with LLM(model=model, overrides=overrides) as llm:
-        llm.generate([register[0][:40]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm up
+        llm.generate(
+            [register[0][:40]], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False
+        )  # warm up
         llm.generate(register, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
         engine = llm.engine
         engine.capture_logits = True
@@ -131,7 +133,7 @@ def run_arm(
         "reused_tokens": sum(o.num_reused_tokens for o in ordered),
         "cached_tokens": sum(o.num_cached_tokens for o in ordered),
         "doc_tokens": sum(n for _, n in queries),
-        "tokens": [o.token_ids for o in ordered],
+        "tokens": [o.outputs[0].token_ids for o in ordered],
         "first_logits": [r.logits[0].float() for r in reqs],
     }
 

@@ -78,7 +78,7 @@ def run(ckpt: Path, prompts: list[list[int]], cache: bool) -> dict[str, Any]:
         "requests_hit": sum(o.num_cached_tokens > 0 for o in outs),
         "wall_s": wall,
         "prefill_s": s["prefill_time"],
-        "tokens": [o.token_ids for o in outs],
+        "tokens": [o.outputs[0].token_ids for o in outs],
     }
 
 

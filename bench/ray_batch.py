@@ -58,6 +58,7 @@ def workload(interleaved: bool, seed: int = 0) -> list[dict[str, Any]]:
             "prompt_token_ids": heads[t] + rng.integers(3, 4096, rng.integers(16, 65)).tolist(),
             "max_tokens": 8,
             "ignore_eos": True,
+            "temperature": 0.0,  # greedy (a row's default temperature is vLLM's, 1.0)
         }
         for t, _ in order
     ]
@@ -80,7 +81,7 @@ def summarize(prompt: list[int], cached: list[int], wall: float) -> dict[str, An
 def run_local(ckpt: Path, rows: list[dict[str, Any]]) -> tuple[dict[str, Any], list[list[int]]]:
     t0 = time.perf_counter()
     with LLM(model=ckpt, overrides=["graphs.backend=eager", *ENGINE]) as llm:
-        params = SamplingParams(max_tokens=8, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
         outs = llm.generate([r["prompt_token_ids"] for r in rows], params, use_tqdm=False)
         stats = llm.stats()
     result = summarize(
@@ -89,7 +90,7 @@ def run_local(ckpt: Path, rows: list[dict[str, Any]]) -> tuple[dict[str, Any], l
         time.perf_counter() - t0,
     )
     result["engine_stats_prefill_tokens_computed"] = stats["prefill_tokens_computed"]
-    return result, [o.token_ids for o in outs]
+    return result, [o.outputs[0].token_ids for o in outs]
 
 
 def run_ray(

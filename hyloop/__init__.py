@@ -1,29 +1,52 @@
-"""hyloop: a captured, cache-aware decode loop for dense and hybrid language models."""
+"""hyloop: a captured, cache-aware decode loop for dense and hybrid language models.
+
+Its offline API is vLLM's: ``from hyloop import LLM, SamplingParams`` (and ``EngineArgs``,
+``LLMEngine``, ``RequestOutput``, ``CompletionOutput``, ``TextPrompt``, ``TokensPrompt``)."""
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from hyloop.framework.engine import Engine as LLMEngine
+    from hyloop.framework.engine_args import EngineArgs
     from hyloop.framework.llm import LLM
-    from hyloop.framework.requests import RequestOutput
-    from hyloop.framework.sampling_params import SamplingParams
+    from hyloop.framework.outputs import CompletionOutput, Logprob, RequestOutput
+    from hyloop.framework.prompts import PromptType, TextPrompt, TokensPrompt
+    from hyloop.framework.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+# Lazy: importing a leaf package (hyloop.graphs, hyloop.cache) must not load the engine.
+_EXPORTS = {
+    "LLM": ("hyloop.framework.llm", "LLM"),
+    "LLMEngine": ("hyloop.framework.engine", "Engine"),
+    "EngineArgs": ("hyloop.framework.engine_args", "EngineArgs"),
+    "SamplingParams": ("hyloop.framework.sampling_params", "SamplingParams"),
+    "RequestOutputKind": ("hyloop.framework.sampling_params", "RequestOutputKind"),
+    "RequestOutput": ("hyloop.framework.outputs", "RequestOutput"),
+    "CompletionOutput": ("hyloop.framework.outputs", "CompletionOutput"),
+    "Logprob": ("hyloop.framework.outputs", "Logprob"),
+    "TextPrompt": ("hyloop.framework.prompts", "TextPrompt"),
+    "TokensPrompt": ("hyloop.framework.prompts", "TokensPrompt"),
+    "PromptType": ("hyloop.framework.prompts", "PromptType"),
+}
+__all__ = [
+    "LLM",
+    "LLMEngine",
+    "EngineArgs",
+    "SamplingParams",
+    "RequestOutputKind",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+    "TextPrompt",
+    "TokensPrompt",
+    "PromptType",
+]
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy: importing a leaf package (hyloop.graphs, hyloop.cache) must not load the engine.
-    if name == "LLM":
-        from hyloop.framework.llm import LLM
-
-        return LLM
-    if name == "RequestOutput":
-        from hyloop.framework.requests import RequestOutput
-
-        return RequestOutput
-    if name == "SamplingParams":
-        from hyloop.framework.sampling_params import SamplingParams
-
-        return SamplingParams
+    if name in _EXPORTS:
+        module, attr = _EXPORTS[name]
+        return getattr(importlib.import_module(module), attr)
     raise AttributeError(f"module 'hyloop' has no attribute {name!r}")

@@ -1,5 +1,6 @@
-"""The ``hyloop`` command: ``generate`` (offline batch generation), ``tts`` (TTS frames),
-``regress`` (graph-vs-eager) and ``warmup`` (capture a config's artifacts ahead of its jobs)."""
+"""The ``hyloop`` command: ``generate`` (offline batch generation), ``run-batch`` (OpenAI Batch
+files, as vLLM's), ``tts`` (TTS frames), ``regress`` (graph-vs-eager) and ``warmup`` (capture a
+config's artifacts ahead of its jobs)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hyloop", description="hyloop decode-loop framework")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="offline generation (JSONL in, JSONL out)")
+    gen = sub.add_parser(
+        "generate",
+        help="offline generation (JSONL in, JSONL out)",
+        epilog="Each input line gives one output record, in input order; a bad line gets a "
+        "record with its `error` (file:line: field: reason) while the others run. Exit code: "
+        "0 if every row ran, 1 if some rows failed, 2 for a command-line error (no input "
+        "file, bad config or model).",
+    )
     gen.add_argument("--config", action="append", default=[], help="YAML config (repeatable)")
     gen.add_argument("--model", help="HF checkpoint dir or .gguf (default: SmolLM2-135M)")
     gen.add_argument(
@@ -47,12 +55,18 @@ def main(argv: list[str] | None = None) -> int:
     warm.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     for cmd in (gen, tts, reg, warm):
         cmd.add_argument("overrides", nargs="*", help="config overrides, key=value")
+    add_run_batch(sub)
     # Overrides (key=value) may come before or after options; argparse takes one run of them.
     args, extra = parser.parse_known_args(argv)
     stray = [a for a in extra if a.startswith("-") or "=" not in a]
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
-    args.overrides = [*args.overrides, *extra]
+    args.overrides = [*(args.overrides or []), *getattr(args, "dotlist", []), *extra]
+    for item in args.overrides:
+        if "=" not in item:  # a file given where an option was meant, most often
+            flag = "-i" if args.command == "run-batch" else "--input"
+            hint = f"; to read it, pass {flag} {item}" if item.endswith((".jsonl", ".json")) else ""
+            parser.error(f"{item!r} is not a key=value config override{hint}")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if not getattr(args, "no_progress", False):  # a bucket's first capture can take a while
         logging.getLogger("hyloop.graphs").setLevel(logging.INFO)
@@ -65,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
             from hyloop.recipes.offline import run_generate
 
             return run_generate(args)
+        if args.command == "run-batch":
+            from hyloop.recipes.run_batch import run_batch
+
+            return run_batch(args)
         if args.command == "warmup":
             from hyloop.recipes.warmup import run_warmup
 
@@ -79,6 +97,33 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"hyloop: error: {e}", file=sys.stderr)
         return 2
+
+
+def add_run_batch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``run-batch``: vLLM's engine flags (``--max-model-len``, ``--enforce-eager``, ...), the
+    batch files, and ``key=value`` overrides like the other subcommands."""
+    from hyloop.framework.engine_args import EngineArgs
+
+    rb = sub.add_parser(
+        "run-batch",
+        help="OpenAI Batch file in (/v1/chat/completions, /v1/completions), its output out",
+        conflict_handler="resolve",  # the options below restate some engine flags with help
+        epilog="One output line per input line, in input order; a bad line gets an error line "
+        "(line N: field: reason) while the others run. Exit code: 0 once the output is written "
+        "(errors included, as OpenAI's batches), 2 for a command-line error (no input file, bad "
+        "config or model).",
+    )
+    EngineArgs.add_cli_args(rb)
+    rb.add_argument("-i", "--input-file", required=True, help="batch input JSONL (- for stdin)")
+    rb.add_argument("-o", "--output-file", required=True, help="batch output JSONL (- for stdout)")
+    rb.add_argument("--model", help="HF checkpoint dir or .gguf (default: SmolLM2-135M)")
+    rb.add_argument("--config", action="append", default=None, help="YAML config (repeatable)")
+    rb.add_argument(
+        "--served-model-name",
+        help="the model name in the responses; a body naming another model gets an error line",
+    )
+    rb.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    rb.add_argument("dotlist", nargs="*", metavar="overrides", help="config overrides, key=value")
 
 
 if __name__ == "__main__":

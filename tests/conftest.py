@@ -51,6 +51,7 @@ def make_batch(
         state_slots=zeros if state_slots is None else state_slots,
         track_slots=zeros if track_slots is None else track_slots,
         out_pos=zeros,
+        keeps=torch.ones_like(zeros),
         pools=StepPools(req_to_token, kv, recurrent, compute=compute or TorchPath()),
         kv_len=kv_len,
         is_decode=is_decode,

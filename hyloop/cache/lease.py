@@ -51,6 +51,7 @@ class Holder(Protocol):
     request_id: str
     prompt_ids: list[int]
     max_new: int
+    reads_cache: bool  # False: computes its whole prompt (it wants the prompt's logprobs)
 
     @property
     def all_ids(self) -> list[int]: ...
@@ -117,12 +118,14 @@ class RequestCache:
         if self.req_to_token.available() == 0:
             return None
         tree = self.tree
-        m = tree.match_prefix(MatchPrefixParams(key=RadixKey(req.prompt_ids[:-1])))
+        key = req.prompt_ids[:-1] if req.reads_cache else []
+        m = tree.match_prefix(MatchPrefixParams(key=RadixKey(key)))
         cached = m.prefix_len
         own_tokens = len(req.prompt_ids) + req.max_new - cached
         # NOTE: lock the hit before evicting for room, so eviction cannot take the hit itself.
         lock = tree.inc_lock_ref(m.last_node)
-        plan = self.reuse.plan(req, cached) if self.reuse is not None else None
+        reuse = self.reuse is not None and req.reads_cache
+        plan = self.reuse.plan(req, cached) if reuse else None  # type: ignore[union-attr]
         # NOTE: donors stay locked from the plan until their runs are copied.
         donors = [tree.inc_lock_ref(s.node) for s in plan.reused] if plan else []
         enough = self._ensure_pages(self.kv.pages_for(own_tokens))

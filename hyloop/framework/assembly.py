@@ -17,8 +17,10 @@ from hyloop.cache.lease import RequestCache
 from hyloop.cache.unified import build_cache
 from hyloop.framework.config import EngineConfig
 from hyloop.framework.engine import Engine
+from hyloop.framework.engine_args import kv_budget_bytes
 from hyloop.framework.pipeline import StepPipeline
 from hyloop.framework.reuse import PositionIndependentReuse
+from hyloop.framework.sampling_params import generation_defaults
 from hyloop.framework.scheduler import Scheduler
 from hyloop.framework.stats import DeviceClock, StepRecorder
 from hyloop.framework.step_kinds import StepKind, TokenStep
@@ -38,7 +40,7 @@ from hyloop.models.cpu import CpuKernels, cpu_ops
 from hyloop.models.cpu.kernel_choice import cache_dir, machine_key
 from hyloop.models.kv_shift import shifter_for
 from hyloop.models.layers.attention import compute_paths, place_kv_layers
-from hyloop.models.loader import LoadedModel, load_model
+from hyloop.models.loader import LoadedModel, load_model, load_tokenizer
 from hyloop.pools import KVPool, RecurrentPool, ReqToTokenPool, StepFence, SWAKVPool, SWAWindows
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,7 @@ class Derived:
     end_id: int  # the end row's channel-0 id (row models; -1 for token models)
     channel_vocab_sizes: tuple[int, ...]
     eos_token_ids: tuple[int, ...]
+    sampling_defaults: dict[str, Any]  # SamplingParams fields of a request that gives none
     weight_bytes: int
     packed_linears: int
     cpu_kernels: dict[str, Any] | None
@@ -164,7 +167,11 @@ def build_engine(cfg: EngineConfig, loaded: LoadedModel | None = None) -> Engine
     rows = contract.rows
     if rows is not None and rows.end_id not in eos:
         eos.append(rows.end_id)  # a row model's end row stops it
-    scheduler = Scheduler(cache, cfg.scheduler, max_running, fence, loaded.tokenizer)
+    tokenizer = load_tokenizer(cfg.model.tokenizer) if cfg.model.tokenizer else loaded.tokenizer
+    if tokenizer is not None:
+        tokenizer.eos_ids = tokenizer.eos_ids or list(loaded.eos_token_ids)
+        tokenizer.name_or_path = cfg.model.tokenizer or cfg.model.path or loaded.source
+    scheduler = Scheduler(cache, cfg.scheduler, max_running, fence, tokenizer)
     recorder = StepRecorder(DeviceClock(device), lambda: graphs.capture_seconds)
     pipeline = StepPipeline(kind, graphs, scheduler, fence, recorder)
     derived = Derived(
@@ -187,12 +194,16 @@ def build_engine(cfg: EngineConfig, loaded: LoadedModel | None = None) -> Engine
         end_id=rows.end_id if rows is not None else -1,
         channel_vocab_sizes=rows.channel_vocab_sizes if rows is not None else (),
         eos_token_ids=tuple(eos),
+        sampling_defaults={
+            **generation_defaults(cfg.model.generation_config, loaded.source),
+            **cfg.sampling_defaults.model_dump(exclude_none=True),
+        },
         weight_bytes=loaded.weight_bytes,
         packed_linears=len(cpu.layers) if cpu is not None else 0,
         cpu_kernels=cpu.summary() if cpu is not None else None,
     )
     log.info("hyloop assembly: %s", asdict(derived))
-    return Engine(cfg, derived, model, loaded.tokenizer, kind, graphs, pipeline, recorder)
+    return Engine(cfg, derived, model, tokenizer, kind, graphs, pipeline, recorder)
 
 
 def step_kind_for(contract: ModelContract) -> type[StepKind]:
@@ -218,7 +229,9 @@ def kv_pools(
     full_layers, swa_layers = place_kv_layers(model, cfg.kv_pool.swa_pool and window is not None)
     ps, max_running = cfg.kv_pool.page_size, cfg.scheduler.max_running_requests
     heads, dim = contract.kv_heads, contract.head_dim
-    budget = int(cfg.kv_pool.memory_budget_mb * 2**20)
+    budget = kv_budget_bytes(
+        cfg.kv_pool.memory_budget_mb, cfg.kv_pool.gpu_memory_utilization, device
+    )
     swa_pages = 0
     if swa_layers:
         assert window is not None

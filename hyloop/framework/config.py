@@ -37,6 +37,14 @@ class ModelSection(_Section):
     max_context: int | None = Field(
         None, ge=2, description="longest prompt + output served; default min(model limit, 8192)"
     )
+    tokenizer: str | None = Field(
+        None, description="HF directory or .gguf whose tokenizer to use; default the model's"
+    )
+    generation_config: str = Field(
+        "auto",
+        description="request defaults: auto (the checkpoint's generation_config.json), vllm "
+        "(vLLM's SamplingParams defaults only) or a directory holding a generation_config.json",
+    )
     cpu_packed_linear: bool = Field(
         True, description="CPU: pre-pack Linear weights for oneDNN once (no re-pack per call)"
     )
@@ -62,6 +70,13 @@ class KVPoolSection(_Section):
     )
     memory_budget_mb: float = Field(
         512.0, gt=0, description="KV memory budget when num_pages is not given"
+    )
+    gpu_memory_utilization: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="CUDA: size the budget as this share of the device's memory, less what is "
+        "in use once the weights are loaded (vLLM's gpu_memory_utilization)",
     )
     swa_pool: bool = Field(
         True,
@@ -155,10 +170,13 @@ class SchedulerSection(_Section):
 
 
 class SamplingDefaultsSection(_Section):
-    temperature: float = Field(0.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
-    max_tokens: int = Field(64, ge=1)
+    """Defaults of requests that give no SamplingParams; unset (null): the model's
+    generation_config.json (``model.generation_config``), else vLLM's SamplingParams()."""
+
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    max_tokens: int | None = Field(None, ge=1)
 
 
 class LookaheadSection(_Section):

@@ -1,10 +1,9 @@
-"""The engine: requests in, a loop over the step pipeline, outputs out.
+"""The engine (vLLM's ``LLMEngine``): requests in, a loop over the step pipeline, outputs out.
 
-``Engine`` holds what assembly built (``framework.assembly.build_engine``): the step kind, the
-graphs, the scheduler behind the step pipeline, and drives one of two loops over it
-(``loops.SyncLoop`` or ``loops.OverlapLoop``, lookahead). When it goes from idle to busy it
-tells the graphs a job starts (``graphs.backend=auto`` plans its captures then), and when it
-runs dry that the job is done.
+``Engine`` holds what assembly built (``framework.assembly.build_engine``) and drives one of two
+loops over the step pipeline (``loops.SyncLoop`` or ``loops.OverlapLoop``, lookahead). Going
+from idle to busy it tells the graphs a job starts (``auto`` plans its captures then), and when
+it runs dry that the job is done.
 
 Threads: ``add_request`` and ``abort_request`` may be called from any thread. A call made while
 ``step()`` runs is queued and applied at the step's end, the next step boundary, exactly as if it
@@ -16,15 +15,17 @@ from __future__ import annotations
 import logging
 import random
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from hyloop.cache.lease import RequestCache
 from hyloop.framework.config import EngineConfig
 from hyloop.framework.loops import OverlapLoop, SyncLoop
+from hyloop.framework.outputs import RequestOutput
+from hyloop.framework.parallel import ParallelSamples, forks_of
 from hyloop.framework.pipeline import StepPipeline
-from hyloop.framework.requests import Request, RequestOutput, row_prompt, token_prompt
-from hyloop.framework.sampling_params import SamplingParams
+from hyloop.framework.requests import Request, new_request, token_prompt
+from hyloop.framework.sampling_params import NotSupportedError, SamplingParams
 from hyloop.framework.scheduler import Scheduler
 from hyloop.framework.stats import StepRecorder
 from hyloop.framework.step_kinds import StepKind
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from hyloop.framework.assembly import Derived
+    from hyloop.framework.engine_args import EngineArgs
 
 log = logging.getLogger(__name__)
 
@@ -79,16 +81,38 @@ class Engine:
         self._queued: list[Callable[[], None]] = []  # user calls made during a step
         self._queued_ids: set[str] = set()  # adds queued during the step
         self._queued_aborts: set[str] = set()  # aborts queued during the step
+        self._parallel = ParallelSamples()  # the forks of n > 1 requests
 
     # -- requests -------------------------------------------------------------------------------
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> Engine:
+        """vLLM's ``LLMEngine.from_engine_args``: the engine the arguments configure."""
+        from hyloop.framework.assembly import build_engine
+
+        return build_engine(args.create_engine_config())
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int] | Any,
+        prompt: Any,
         sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        lora_request: Any = None,
+        priority: int = 0,
     ) -> None:
-        """Queue a request. Errors name the request; a bad one never reaches the engine."""
+        """Queue a request (a prompt in any of vLLM's forms, or rows for a row model). Errors
+        name the request; a bad one never reaches the engine."""
+        if lora_request is not None:
+            raise NotSupportedError(f"request {request_id!r}: lora_request is not supported")
+        if isinstance(sampling_params, SamplingParams) and forks_of(sampling_params) > 1:
+            sampling_params.validate(f"request {request_id!r} sampling_params")
+            return self._add_forks(request_id, prompt, sampling_params, arrival_time)
         req = self._new_request(request_id, prompt, sampling_params)
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
         with self._lock:
             live = request_id in self.scheduler and request_id not in self._queued_aborts
             if live or request_id in self._queued_ids:
@@ -103,9 +127,32 @@ class Engine:
             else:
                 self.scheduler.add(req)
 
-    def abort_request(self, request_id: str) -> None:
-        """Abort a request (unknown or finished: a no-op); what it holds is freed once no
-        launched step may read it."""
+    def _add_forks(
+        self, request_id: str, prompt: Any, params: Any, arrival_time: float | None
+    ) -> None:
+        """``n`` samples: ``n`` child requests joined back in ``step`` (``parallel.py``)."""
+        with self._lock:
+            if request_id in self._parallel:
+                raise ValueError(f"request {request_id!r}: id already in use")
+            forks = self._parallel.fork(request_id, params)
+        added: list[str] = []
+        try:
+            for child, p in forks:
+                self.add_request(child, prompt, p, arrival_time)
+                added.append(child)
+        except Exception:
+            self.abort_request(added)
+            self._parallel.forget(request_id)
+            raise
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Abort a request or several (unknown or finished: a no-op); what it holds is freed
+        once no launched step may read it."""
+        if not isinstance(request_id, str) or request_id in self._parallel:
+            ids = self._parallel.children(request_id) if isinstance(request_id, str) else request_id
+            for rid in list(ids):
+                self.abort_request(rid)
+            return
         with self._lock:
             if self._in_step:
                 self._queued_aborts.add(request_id)
@@ -115,49 +162,44 @@ class Engine:
                 self.scheduler.abort(request_id)
 
     def default_params(self) -> SamplingParams:
-        d = self.cfg.sampling_defaults
-        return SamplingParams(
-            temperature=d.temperature, top_p=d.top_p, top_k=d.top_k, max_tokens=d.max_tokens
-        )
+        """vLLM's ``SamplingParams()``, under the model's ``generation_config.json`` (as
+        vLLM applies it), under the config's ``sampling_defaults``."""
+        return SamplingParams(**self.derived.sampling_defaults)
 
-    def validate_prompt(self, request_id: str, prompt: str | list[int]) -> list[int]:
+    def validate_prompt(
+        self, request_id: str, prompt: Any, params: SamplingParams | None = None
+    ) -> list[int]:
         """The prompt's token ids, or a ValueError naming ``request_id`` and what is wrong."""
-        return token_prompt(request_id, prompt, self.tokenizer, self.vocab_size, self.max_context)
+        truncate = params.truncate_prompt_tokens if params is not None else None
+        return token_prompt(
+            request_id, prompt, self.tokenizer, self.vocab_size, self.max_context, truncate
+        )[1]
 
     def _new_request(
         self, request_id: str, prompt: Any, sampling_params: SamplingParams | None
     ) -> Request:
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise ValueError(
+                f"request {request_id!r}: sampling_params of type "
+                f"{type(sampling_params).__name__}; expected a SamplingParams"
+            )
         params = sampling_params or self.default_params()
         params.validate(f"request {request_id!r} sampling_params")
-        d, rows = self.derived, None
-        if d.row_channels:
-            rows, ids = row_prompt(
-                request_id, prompt, params, list(d.channel_vocab_sizes), self.max_context, d.end_id
-            )
-        else:
-            ids = self.validate_prompt(request_id, prompt)
-        max_new = min(params.max_tokens, self.max_context - len(ids))
-        kv = self.scheduler.cache.kv
-        if kv.pages_for(len(ids) + max_new) > kv.num_pages - 1:
-            raise ValueError(
-                f"request {request_id!r}: needs {len(ids) + max_new} KV tokens but the pool holds "
-                f"{kv.capacity}; raise kv_pool.num_pages or lower max_tokens"
-            )
-        stop = set(params.stop_token_ids or [])
-        if not params.ignore_eos:
-            stop |= self.eos_ids
-        return Request(
-            request_id=request_id,
-            prompt_ids=ids,
-            params=params,
-            seed32=0,  # set by add_request once the id is accepted
-            max_new=max_new,
-            stop_ids=frozenset(stop),
-            logprobs=[] if params.logprobs is not None else None,
-            logits=[] if self.pipeline.capture_logits else None,
-            prompt_rows=rows,
-            output_rows=[] if rows is not None else None,
+        return new_request(
+            request_id,
+            prompt,
+            params,
+            self.tokenizer,
+            self.derived,
+            self.cache.kv,
+            self.eos_ids,
+            capture_logits=self.pipeline.capture_logits,
         )
+
+    def get_num_unfinished_requests(self) -> int:
+        with self._lock:
+            queued = len(self._queued_ids)
+        return queued + len(self.scheduler.running) + len(self.scheduler.waiting)
 
     def has_unfinished_requests(self) -> bool:
         with self._lock:
@@ -191,7 +233,8 @@ class Engine:
         for out in outputs:
             if out.finished:
                 self.finished += 1
-                self.aborted += out.finish_reason == "abort"
+                self.aborted += out.outputs[0].finish_reason == "abort"
+        outputs = self._parallel.join(outputs)
         if not self.has_unfinished_requests() and not self._idle:
             self._idle = True
             self.recorder.pause()  # waiting for new requests is no host time of this loop

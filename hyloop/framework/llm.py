@@ -1,29 +1,33 @@
-"""The public entry point: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+"""The public entry point, vLLM's offline ``LLM``: ``LLM(model).generate(prompts, params)``."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from hyloop.framework.assembly import build_engine
-from hyloop.framework.config import EngineConfig, load_config
+from hyloop.framework.chat import render_chat
+from hyloop.framework.config import EngineConfig
 from hyloop.framework.engine import Engine
-from hyloop.framework.requests import RequestOutput
-from hyloop.framework.sampling_params import SamplingParams
+from hyloop.framework.engine_args import EngineArgs
+from hyloop.framework.outputs import RequestOutput
+from hyloop.framework.prompts import as_batch
+from hyloop.framework.sampling_params import NotSupportedError, RequestOutputKind, SamplingParams
 from hyloop.graphs.capture import Graphs
 
 
 class LLM:
-    """Offline generation over one engine.
+    """Offline generation over one engine, with vLLM's ``LLM`` surface.
 
     ``model``: an HF checkpoint directory or a ``.gguf`` file; ``config``: YAML file(s) or an
-    ``EngineConfig``; ``overrides``: dotlist overrides such as ``["kv_pool.page_size=16"]``.
+    ``EngineConfig``; ``overrides``: dotlist overrides such as ``["kv_pool.page_size=16"]``;
+    any other keyword is one of vLLM's engine arguments (``EngineArgs``), mapped onto the config.
     """
 
     def __init__(
@@ -31,25 +35,39 @@ class LLM:
         model: str | Path | None = None,
         config: str | Path | list[str | Path] | EngineConfig | None = None,
         overrides: list[str] | None = None,
+        **engine_args: Any,
     ) -> None:
-        if isinstance(config, EngineConfig):
-            cfg = config
-            if overrides:
-                cfg = load_config(None, overrides, base=config.model_dump())
-        else:
-            cfg = load_config(config, overrides)
-        if model is not None:
-            cfg = cfg.model_copy(
-                update={"model": cfg.model.model_copy(update={"path": str(model)})}
-            )
-        self.config = cfg
-        self.engine = build_engine(cfg)
+        args = EngineArgs(model=model, config=config, overrides=overrides, **engine_args)
+        self._init(args)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
+        llm = cls.__new__(cls)
+        llm._init(args)
+        return llm
+
+    def _init(self, args: EngineArgs) -> None:
+        self.engine_args = args
+        self.config = args.create_engine_config()
+        self.engine = build_engine(self.config)
         self._counter = 0
         self._finalizer = weakref.finalize(self, _close_engine, self.engine)
 
     @property
+    def llm_engine(self) -> Engine:
+        return self.engine
+
+    @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def get_tokenizer(self) -> Any:
+        """The checkpoint's tokenizer, HF-compatible (``tok(text)``, ``encode``, ``decode``,
+        ``eos_token_id``, ``apply_chat_template``); None when the checkpoint ships none."""
+        return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.engine.default_params()
 
     @property
     def graphs(self) -> Graphs:
@@ -58,31 +76,49 @@ class LLM:
 
     def generate(
         self,
-        prompts: Sequence[str] | Sequence[list[int]] | str,
+        prompts: Any,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: Any = None,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        prompts = list(prompts)
+        """Outputs in prompt order. ``prompts``: a str, a list of token ids, a TextPrompt /
+        TokensPrompt dict, or a list of these."""
+        outs: dict[int, RequestOutput] = {}
+        for i, out in self.generate_iter(prompts, sampling_params, use_tqdm, lora_request):
+            outs[i] = out
+        return [outs[i] for i in range(len(outs))]
+
+    def generate_iter(
+        self,
+        prompts: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: Any = None,
+    ) -> Iterator[tuple[int, RequestOutput]]:
+        """``(prompt index, finished output)`` as each request finishes (hyloop's addition:
+        a writer can stream results while the rest still run)."""
+        if lora_request is not None:
+            raise NotSupportedError("generate(): lora_request is not supported by hyloop")
+        batch = as_batch(prompts)
         if isinstance(sampling_params, Sequence):
-            if len(sampling_params) != len(prompts):
+            if len(sampling_params) != len(batch):
                 raise ValueError(
-                    f"sampling_params: {len(sampling_params)} given for {len(prompts)} prompts"
+                    f"sampling_params: {len(sampling_params)} given for {len(batch)} prompts"
                 )
             params = list(sampling_params)
         else:
-            params = [sampling_params or self.engine.default_params()] * len(prompts)
-        # Only finished outputs are returned: no per-step output copies while running.
+            params = [sampling_params or self.engine.default_params()] * len(batch)
+        # Only finished outputs are needed: no per-step output copies while running.
         final = {
-            id(p): dataclasses.replace(p, output_kind="final_only")
+            id(p): dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
             for p in params
             if isinstance(p, SamplingParams)
         }
         params = [final.get(id(p), p) for p in params]
         ids = []
         try:
-            for prompt, p in zip(prompts, params, strict=True):
+            for prompt, p in zip(batch, params, strict=True):
                 rid = f"gen-{self._counter}"
                 self._counter += 1
                 self.engine.add_request(rid, prompt, p)
@@ -92,39 +128,64 @@ class LLM:
                 self.engine.abort_request(rid)
             self.engine.step()  # drain the abort outputs
             raise
-        return self._run(ids, use_tqdm)
+        yield from self._run(ids, use_tqdm)
 
     def chat(
         self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: Any = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        tok = self.engine.tokenizer
-        if tok is None:
-            raise ValueError("chat() needs a tokenizer; this checkpoint has none")
+        """vLLM's ``chat``: each conversation rendered with the chat template (the checkpoint's
+        or ``chat_template``), then generated from; message content may be OpenAI text parts."""
+        if mm_processor_kwargs:
+            raise NotSupportedError("chat(): mm_processor_kwargs (multimodal) is not supported")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        texts = [tok.apply_chat_template(c) for c in convs]  # type: ignore[arg-type]
-        return self.generate(texts, sampling_params, use_tqdm)
+        texts = [
+            render_chat(
+                f"chat conversation {i}",
+                conv,
+                self.engine.tokenizer,
+                chat_template=chat_template,
+                content_format=chat_template_content_format,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tools=tools,
+                **(chat_template_kwargs or {}),
+            )
+            for i, conv in enumerate(convs)  # type: ignore[arg-type]
+        ]
+        return self.generate(texts, sampling_params, use_tqdm, lora_request)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        wanted = set(ids)
-        done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="requests", disable=not use_tqdm, dynamic_ncols=True)
+    def _run(
+        self, ids: list[str], use_tqdm: bool | Callable[..., Any]
+    ) -> Iterator[tuple[int, RequestOutput]]:
+        index = {rid: i for i, rid in enumerate(ids)}
+        make_bar = use_tqdm if callable(use_tqdm) else tqdm
+        bar = make_bar(total=len(ids), desc="requests", disable=not use_tqdm, dynamic_ncols=True)
         s0 = dict(self.engine.stats())
         t0 = time.perf_counter()
+        pending = set(ids)
         try:
-            while self.engine.has_unfinished_requests():
+            while pending and self.engine.has_unfinished_requests():
                 for out in self.engine.step():
-                    if out.finished and out.request_id in wanted:
-                        done[out.request_id] = out
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
                         bar.update(1)
-                s = self.engine.stats()
-                bar.set_postfix(_rates(s0, s), refresh=False)
-        finally:
+                        yield index[out.request_id], out
+                bar.set_postfix(_rates(s0, self.engine.stats()), refresh=False)
+        finally:  # a consumer that stops early (or an error) leaves nothing running
+            self.engine.abort_request(pending)
             bar.close()
-        self.last_run_seconds = time.perf_counter() - t0
-        return [done[i] for i in ids]
+            self.last_run_seconds = time.perf_counter() - t0
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()

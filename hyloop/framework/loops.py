@@ -37,8 +37,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from hyloop.framework.outputs import RequestOutput
 from hyloop.framework.pipeline import InflightStep, StepPipeline
-from hyloop.framework.requests import Batch, RequestOutput
+from hyloop.framework.requests import Batch
 from hyloop.framework.stats import StepRecorder
 
 

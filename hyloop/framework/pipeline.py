@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from hyloop.framework.requests import Batch, Chunk, RequestOutput, Status
+from hyloop.framework.outputs import RequestOutput
+from hyloop.framework.requests import Batch, Chunk, Status
 from hyloop.framework.scheduler import Scheduler
 from hyloop.framework.stats import StepRecorder, StepTiming
 from hyloop.framework.step_kinds import StepKind

@@ -5,13 +5,16 @@ nothing here touches engine state, so a bad prompt fails alone)."""
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from hyloop.cache.lease import Lease
-from hyloop.framework.sampling_params import SamplingParams
+from hyloop.framework.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from hyloop.framework.prompts import split_prompt
+from hyloop.framework.sampling_params import RequestOutputKind, SamplingParams
 from hyloop.graphs.ops import row_keys
 
 
@@ -19,21 +22,6 @@ class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str | None
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort"
-    num_cached_tokens: int
-    logprobs: list[dict[int, float]] | None = None
-    # prompt tokens whose KV came from a donor at another offset (not the exact prefix)
-    num_reused_tokens: int = 0
-    rows: list[list[int]] | None = None  # multi-channel models: the generated rows [C] each
 
 
 @dataclass
@@ -45,8 +33,17 @@ class Request:
     max_new: int  # max_tokens clipped to the context limit
     stop_ids: frozenset[int]
     status: Status = Status.WAITING
+    prompt_text: str | None = None  # shown in the outputs (a chat: its rendered template)
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    # stop token ids that are not EOS: the one that ends the request is its stop_reason
+    stop_reasons: frozenset[int] = frozenset()
+    stop_reason: int | str | None = None
     output_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    # prompt_logprobs: None for the first prompt token, then one entry per prompt token; such a
+    # request computes its whole prompt (no cache read)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     logits: list[torch.Tensor] | None = None  # debug capture (engine.capture_logits)
     finish_reason: str | None = None
     lease: Lease | None = None  # what it holds of the pools and the tree while it runs
@@ -58,6 +55,7 @@ class Request:
     reused_spans: list[tuple[int, int]] = field(default_factory=list)
     num_reused: int = 0
     num_emitted: int = 0  # output tokens handed out so far (``delta`` outputs start here)
+    text_emitted: int = 0  # characters of output text handed out so far
     # Multi-channel models: prompt rows [L, C]; prompt_ids / output_ids then hold row keys.
     prompt_rows: torch.Tensor | None = None
     output_rows: list[list[int]] | None = None
@@ -65,6 +63,10 @@ class Request:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def reads_cache(self) -> bool:
+        return self.prompt_logprobs is None
 
     def next_prefill_span(self) -> tuple[int, int]:
         """``(start, stop)``: the next prompt positions to compute, from ``num_computed`` past
@@ -125,11 +127,71 @@ class Batch:
         return sum(c.length for c in self.chunks)
 
 
+def request_output(req: Request, tokenizer: Any) -> RequestOutput:
+    """``req``'s output so far in vLLM's shape (``delta``: only what is new since its last
+    output). Text is detokenized whole each time, and a running output holds back a trailing
+    partial character."""
+    p = req.params
+    finished = req.status is Status.FINISHED
+    delta = p.output_kind is RequestOutputKind.DELTA
+    start = req.num_emitted if delta else 0
+    req.num_emitted = len(req.output_ids)
+    text = ""
+    if tokenizer is not None and p.detokenize and req.output_rows is None:
+        text = tokenizer.decode(req.output_ids, skip_special_tokens=p.skip_special_tokens)
+        if not finished:
+            text = text.rstrip("\ufffd")
+        shown = req.text_emitted if delta else 0
+        req.text_emitted = max(req.text_emitted, len(text))
+        text = text[shown:]
+    logprobs, cumulative = req.logprobs, None
+    if logprobs is not None:
+        cumulative = sum(e[t].logprob for e, t in zip(logprobs, req.output_ids, strict=False))
+        logprobs = logprobs[start:]
+    prompt_lps = req.prompt_logprobs if (not delta or start == 0) else None
+    if tokenizer is not None and p.detokenize:
+        for entry in [*(logprobs or []), *(prompt_lps or [])]:
+            for tid, lp in (entry or {}).items():
+                if lp.decoded_token is None:
+                    lp.decoded_token = tokenizer.decode([tid], skip_special_tokens=False)
+    rows = req.output_rows
+    sample = CompletionOutput(
+        index=0,
+        text=text,
+        token_ids=req.output_ids[start:],
+        cumulative_logprob=cumulative,
+        logprobs=logprobs,
+        finish_reason=req.finish_reason,
+        stop_reason=req.stop_reason,
+        rows=[list(r) for r in rows[start:]] if rows is not None else None,
+    )
+    return RequestOutput(
+        request_id=req.request_id,
+        prompt=req.prompt_text,
+        prompt_token_ids=req.prompt_ids,
+        outputs=[sample],
+        finished=finished,
+        prompt_logprobs=prompt_lps,
+        metrics=RequestMetrics(
+            req.arrival_time, req.first_token_time, time.time() if finished else None
+        ),
+        num_cached_tokens=req.num_cached,
+        num_reused_tokens=req.num_reused,
+    )
+
+
 def token_prompt(
-    request_id: str, prompt: Any, tokenizer: Any, vocab_size: int, max_context: int
-) -> list[int]:
-    """The prompt's token ids, or a ValueError naming ``request_id`` and what is wrong."""
+    request_id: str,
+    prompt: Any,
+    tokenizer: Any,
+    vocab_size: int,
+    max_context: int,
+    truncate: int | None = None,
+) -> tuple[str | None, list[int]]:
+    """``(prompt text, token ids)`` of a prompt in any of vLLM's forms, the ids kept to their
+    last ``truncate`` (-1: what the context allows), or a ValueError naming ``request_id``."""
     where = f"request {request_id!r}"
+    text, prompt = split_prompt(where, prompt)
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError(
@@ -143,15 +205,19 @@ def token_prompt(
             raise ValueError(f"{where}: prompt token ids must be ints")
     else:
         raise ValueError(
-            f"{where}: prompt must be a str or a list of token ids, got {type(prompt).__name__}"
+            f"{where}: prompt must be a str, a list of token ids or a TextPrompt / TokensPrompt "
+            f"dict, got {type(prompt).__name__}"
         )
     if not ids:
         raise ValueError(f"{where}: empty prompt")
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"{where}: token id {bad[0]} outside the vocab [0, {vocab_size})")
+    if truncate is not None:
+        keep = max_context - 1 if truncate == -1 else truncate
+        ids = ids[-keep:]
     _check_room(where, len(ids), "tokens", max_context)
-    return ids
+    return text, ids
 
 
 def row_prompt(
@@ -182,9 +248,74 @@ def row_prompt(
             f"{where}: row {r} channel {ch} id {int(rows[r, ch])} outside [0, {int(vocab[ch])})"
         )
     _check_room(where, rows.shape[0], "rows", max_context)
-    if params.logprobs is not None:
+    if params.logprobs is not None or params.prompt_logprobs is not None:
         raise ValueError(f"{where}: logprobs are not supported for multi-channel rows")
     return rows, row_keys(rows, end_id).tolist()
+
+
+def new_request(
+    request_id: str,
+    prompt: Any,
+    params: SamplingParams,
+    tokenizer: Any,
+    derived: Any,
+    kv: Any,
+    eos_ids: frozenset[int],
+    capture_logits: bool = False,
+) -> Request:
+    """A checked request of an engine (``derived``: what assembly derived; ``kv``: the KV
+    allocator), its seed still unset; every error names ``request_id``."""
+    d, rows, text = derived, None, None
+    if d.row_channels:
+        rows, ids = row_prompt(
+            request_id, prompt, params, list(d.channel_vocab_sizes), d.max_context, d.end_id
+        )
+    else:
+        text, ids = token_prompt(
+            request_id,
+            prompt,
+            tokenizer,
+            d.vocab_size,
+            d.max_context,
+            params.truncate_prompt_tokens,
+        )
+    max_new = output_budget(request_id, params, len(ids), d.max_context, kv)
+    user_stops = set(params.stop_token_ids or [])
+    stop = user_stops if params.ignore_eos else user_stops | eos_ids
+    return Request(
+        request_id=request_id,
+        prompt_ids=ids,
+        params=params,
+        seed32=0,  # set once the engine accepts the id
+        max_new=max_new,
+        stop_ids=frozenset(stop),
+        prompt_text=text,
+        arrival_time=time.time(),
+        stop_reasons=frozenset(user_stops - eos_ids),
+        logprobs=[] if params.logprobs is not None else None,
+        prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+        logits=[] if capture_logits else None,
+        prompt_rows=rows,
+        output_rows=[] if rows is not None else None,
+    )
+
+
+def output_budget(
+    request_id: str, params: SamplingParams, prompt_len: int, max_context: int, kv: Any
+) -> int:
+    """Tokens the request may generate: ``max_tokens`` within the context limit (None: up to
+    it, as far as the KV pool holds); a request the pool can never hold is refused."""
+    room = max_context - prompt_len
+    if params.max_tokens is None:
+        max_new = max(1, min(room, kv.capacity - prompt_len))
+    else:
+        max_new = min(params.max_tokens, room)
+    if kv.pages_for(prompt_len + max_new) > kv.num_pages - 1:
+        raise ValueError(
+            f"request {request_id!r}: needs {prompt_len + max_new} KV tokens but the pool holds "
+            f"{kv.capacity}; raise kv_pool.num_pages or lower max_tokens"
+        )
+    return max_new
 
 
 def _check_room(where: str, n: int, unit: str, max_context: int) -> None:

@@ -2,70 +2,225 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+import copy
+import enum
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What ``Engine.step()`` returns of a running request: its whole output so far
+    (``CUMULATIVE``), only what is new since its last output (``DELTA``), or nothing until it
+    finishes (``FINAL_ONLY``, which spares the host a copy per request per step)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+_KIND_NAMES = {k.name.lower(): k for k in RequestOutputKind}
+SAMPLING_EPS = 1e-5  # a temperature below this is greedy (vLLM's rule)
+# Fields a request may carry whose control lands in the captured step later: each one names
+# itself when set away from this (vLLM's) neutral value.
+NOT_YET: dict[str, object] = {
+    "min_p": 0.0,
+    "stop": None,
+    "min_tokens": 0,
+    "logits_processors": None,
+    "structured_outputs": None,
+    "guided_decoding": None,
+    "logit_bias": None,
+    "allowed_token_ids": None,
+    "bad_words": None,
+}
+
+
+# generation_config.json keys vLLM takes request defaults from, and the field each sets.
+GENERATION_CONFIG_FIELDS = {
+    "repetition_penalty": "repetition_penalty",
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def generation_defaults(source: str, model_path: str) -> dict[str, Any]:
+    """Request defaults from a ``generation_config.json`` as vLLM applies them: ``source`` is
+    ``auto`` (the checkpoint directory's), ``vllm`` (none) or a directory holding one. A default
+    whose control hyloop lacks is left out, with a warning."""
+    if source == "vllm" or (source == "auto" and not model_path):
+        return {}
+    folder = Path(model_path if source == "auto" else source).expanduser()
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        if source != "auto":
+            raise FileNotFoundError(
+                f"model.generation_config: no generation_config.json in {folder}"
+            )
+        return {}
+    try:
+        gen = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON ({e})") from e
+    out: dict[str, Any] = {}
+    for key, name in GENERATION_CONFIG_FIELDS.items():
+        value = gen.get(key) if isinstance(gen, dict) else None
+        if value is None:
+            continue
+        if name in NOT_YET and value != NOT_YET[name]:
+            log.warning("%s: %s=%r is not applied (hyloop has no %s yet)", path, key, value, name)
+            continue
+        out[name] = value
+    return out
+
+
+class NotSupportedError(ValueError):
+    """A vLLM field, argument or input hyloop does not support (yet); the message names it."""
 
 
 @dataclass
 class SamplingParams:
-    """How one request samples and when it stops.
+    """How one request samples and when it stops: vLLM's fields, names and defaults.
 
-    ``temperature == 0`` is greedy; ``top_k == -1`` and ``top_p == 1.0`` disable those filters;
-    ``seed`` fixes the request's noise (same seed, same tokens, whatever else is batched);
-    ``ignore_eos`` keeps generating past EOS (EOS stays an ordinary, sampleable token);
-    ``logprobs = k`` returns the top-k ``{token_id: logprob}`` of each generated position;
-    ``output_kind``: ``cumulative`` makes ``Engine.step()`` return the request's output so far
-    at every step (streaming); ``delta`` returns only what is new since its last output (token
-    ids, rows and logprobs; the finished output too); ``final_only`` returns only its finished
-    output, and spares the host a copy of the output per running request per step
-    (``LLM.generate`` uses it). ``frame``: the per-group sampling of a frame (TTS) model, which
-    then samples from it and not from ``temperature`` / ``top_p`` / ``top_k``.
+    ``temperature`` below 1e-5 is greedy; ``top_k`` 0 or -1 and ``top_p == 1.0`` disable those
+    filters; ``seed`` fixes the request's noise (same seed, same tokens, whatever else is
+    batched); ``max_tokens=None`` generates up to the context limit; ``ignore_eos`` keeps
+    generating past EOS (EOS stays an ordinary, sampleable token); ``logprobs = k`` returns the
+    sampled token's and the top-k tokens' ``Logprob`` at each position; ``output_kind``: see
+    ``RequestOutputKind`` (hyloop also takes ``"cumulative"`` / ``"delta"`` / ``"final_only"``);
+    ``truncate_prompt_tokens = k`` keeps the prompt's last k tokens (-1: the context limit);
+    ``skip_special_tokens`` and ``detokenize`` shape the output text. ``frame`` (hyloop): the
+    per-group sampling of a frame (TTS) model, which then samples from it and not from
+    ``temperature`` / ``top_p`` / ``top_k``. The fields of ``NOT_YET`` are accepted at their
+    neutral value and name themselves otherwise.
     """
 
-    temperature: float = 0.0
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1
-    max_tokens: int = 16
+    top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
-    stop_token_ids: list[int] | None = field(default=None)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
     logprobs: int | None = None
-    output_kind: Literal["cumulative", "delta", "final_only"] = "cumulative"
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logits_processors: Any = None
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: Any = None
+    guided_decoding: Any = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    extra_args: dict[str, Any] | None = None
+    bad_words: list[str] | None = None
+    best_of: int | None = None
     frame: FrameSamplingParams | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.output_kind, str) and self.output_kind in _KIND_NAMES:
+            self.output_kind = _KIND_NAMES[self.output_kind]
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def sampling_temperature(self) -> float:
+        """The temperature the sampler applies (0: greedy)."""
+        return 0.0 if self.greedy else float(self.temperature)
+
+    @property
+    def filter_top_k(self) -> int:
+        """``top_k`` as the sampler reads it (-1: off)."""
+        return -1 if self.top_k in (0, -1) or self.greedy else self.top_k
+
+    @property
+    def filter_top_p(self) -> float:
+        return 1.0 if self.greedy else float(self.top_p)
+
+    @classmethod
+    def from_optional(cls, **kwargs: Any) -> SamplingParams:
+        """vLLM's constructor that skips ``None`` values (the defaults apply)."""
+        return cls(**{k: v for k, v in kwargs.items() if v is not None})
+
+    def clone(self) -> SamplingParams:
+        return copy.deepcopy(self)
 
     def validate(self, where: str = "sampling_params") -> None:
         def bad(name: str, value: object, expected: str) -> ValueError:
             return ValueError(f"{where}.{name}: got {value!r}; expected {expected}")
 
-        def number(value: object) -> bool:
-            return isinstance(value, int | float) and not isinstance(value, bool)
-
-        def integer(value: object) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool)
-
-        if not integer(self.max_tokens) or self.max_tokens < 1:
-            raise bad("max_tokens", self.max_tokens, "an int >= 1")
-        if not number(self.temperature) or not self.temperature >= 0.0:
+        for name, neutral in NOT_YET.items():
+            value = getattr(self, name)
+            if value == neutral or (name in ("stop", "logit_bias", "bad_words") and not value):
+                continue
+            raise NotSupportedError(
+                f"{where}.{name}={value!r}: not supported by hyloop yet (leave it at {neutral!r})"
+            )
+        if self.max_tokens is not None and (not _integer(self.max_tokens) or self.max_tokens < 1):
+            raise bad("max_tokens", self.max_tokens, "None or an int >= 1")
+        if not _integer(self.n) or self.n < 1:
+            raise bad("n", self.n, "an int >= 1")
+        if self.best_of is not None and (not _integer(self.best_of) or self.best_of < self.n):
+            raise bad("best_of", self.best_of, f"None or an int >= n ({self.n})")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _number(value) or not -2.0 <= value <= 2.0:
+                raise bad(name, value, "a float in [-2, 2]")
+        rep = self.repetition_penalty
+        if not _number(rep) or not rep > 0.0:
+            raise bad("repetition_penalty", rep, "a float > 0")
+        if not _number(self.temperature) or not self.temperature >= 0.0:
             raise bad("temperature", self.temperature, "a float >= 0")
-        if not number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+        if not _number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", self.top_p, "a float in (0, 1]")
-        if not integer(self.top_k) or (self.top_k < 1 and self.top_k != -1):
-            raise bad("top_k", self.top_k, "-1 (disabled) or an int >= 1")
-        if self.seed is not None and not integer(self.seed):
+        if not _integer(self.top_k) or self.top_k < -1:
+            raise bad("top_k", self.top_k, "0 or -1 (disabled) or an int >= 1")
+        if self.seed is not None and not _integer(self.seed):
             raise bad("seed", self.seed, "an int or None")
-        if self.logprobs is not None and (not integer(self.logprobs) or self.logprobs < 0):
-            raise bad("logprobs", self.logprobs, "None or an int >= 0")
-        if self.output_kind not in ("cumulative", "delta", "final_only"):
-            raise bad("output_kind", self.output_kind, "'cumulative', 'delta' or 'final_only'")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _integer(value) or value < 0):
+                raise bad(name, value, "None or an int >= 0")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad(
+                "output_kind",
+                self.output_kind,
+                "a RequestOutputKind or 'cumulative', 'delta', 'final_only'",
+            )
+        tpt = self.truncate_prompt_tokens
+        if tpt is not None and (not _integer(tpt) or (tpt < 1 and tpt != -1)):
+            raise bad("truncate_prompt_tokens", tpt, "None, -1 or an int >= 1")
         if self.frame is not None:
             if not isinstance(self.frame, FrameSamplingParams):
                 raise bad("frame", self.frame, "a FrameSamplingParams or None")
             self.frame.validate(f"{where}.frame")
-        if not isinstance(self.ignore_eos, bool):
-            raise bad("ignore_eos", self.ignore_eos, "a bool")
+        for flag in ("ignore_eos", "detokenize", "skip_special_tokens"):
+            if not isinstance(getattr(self, flag), bool):
+                raise bad(flag, getattr(self, flag), "a bool")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise bad("extra_args", self.extra_args, "a dict or None")
         if self.stop_token_ids is not None and (
             not isinstance(self.stop_token_ids, list | tuple)
-            or not all(integer(t) for t in self.stop_token_ids)
+            or not all(_integer(t) for t in self.stop_token_ids)
         ):
             raise bad("stop_token_ids", self.stop_token_ids, "a list of ints")
 

@@ -16,6 +16,7 @@ overlap thread only while the scheduler thread waits for it.
 from __future__ import annotations
 
 import os
+import time
 from collections import deque
 from typing import Any
 
@@ -24,7 +25,9 @@ import torch
 from hyloop.cache import RadixKey
 from hyloop.cache.lease import RequestCache
 from hyloop.framework.config import SchedulerSection
-from hyloop.framework.requests import Batch, Chunk, Request, RequestOutput, Status
+from hyloop.framework.outputs import Logprob, RequestOutput
+from hyloop.framework.requests import Batch, Chunk, Request, Status, request_output
+from hyloop.framework.sampling_params import RequestOutputKind
 from hyloop.graphs.capture import Outlook
 from hyloop.graphs.step_batch import StepOutput
 from hyloop.pools import StepFence
@@ -187,9 +190,13 @@ class Scheduler:
             if req.status is not Status.RUNNING:
                 continue  # finished or aborted before this step resolved: token discarded
             req.num_computed = chunk.start + chunk.length
+            if req.prompt_logprobs is not None and not batch.is_decode:
+                req.prompt_logprobs += _prompt_entries(out, i, chunk, req.params.prompt_logprobs)
             if not batch.is_decode and not chunk.completes_prompt:
                 continue
             tok = next_ids[i]
+            if not req.output_ids:
+                req.first_token_time = time.time()
             req.output_ids.append(tok)
             if req.output_rows is not None and next_rows is not None:
                 req.output_rows.append(next_rows[i])
@@ -198,10 +205,11 @@ class Scheduler:
             if req.logits is not None and out.logits is not None:
                 req.logits.append(out.logits[i].clone())
             if tok in req.stop_ids:
+                req.stop_reason = tok if tok in req.stop_reasons else None
                 self.finish(req, "stop")
             elif len(req.output_ids) >= req.max_new:
                 self.finish(req, "length")
-            elif req.params.output_kind != "final_only":
+            elif req.params.output_kind is not RequestOutputKind.FINAL_ONLY:
                 outs.append(self.output(req))
         return outs
 
@@ -240,27 +248,8 @@ class Scheduler:
         del self._requests[req.request_id]
 
     def output(self, req: Request) -> RequestOutput:
-        """The request's output so far (``delta``: what is new since its last output). The
-        text, decoded once it finishes, is always the whole output's."""
-        finished = req.status is Status.FINISHED
-        text = None
-        if self.tokenizer is not None and finished:
-            text = self.tokenizer.decode(req.output_ids)
-        start = req.num_emitted if req.params.output_kind == "delta" else 0
-        req.num_emitted = len(req.output_ids)
-        rows, logprobs = req.output_rows, req.logprobs
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_ids,
-            token_ids=req.output_ids[start:],
-            text=text,
-            finished=finished,
-            finish_reason=req.finish_reason,
-            num_cached_tokens=req.num_cached,
-            num_reused_tokens=req.num_reused,
-            logprobs=logprobs[start:] if logprobs is not None else None,
-            rows=[list(r) for r in rows[start:]] if rows is not None else None,
-        )
+        """The request's output so far (``delta``: what is new since its last output)."""
+        return request_output(req, self.tokenizer)
 
     # -- ledger ---------------------------------------------------------------------------------
     def check(self, track_held: int) -> None:
@@ -268,11 +257,32 @@ class Scheduler:
         self.cache.check(leases, track_held=track_held)
 
 
-def _logprob_entry(out: StepOutput, i: int, tok: int, k: int) -> dict[int, float]:
-    assert out.chosen_lp is not None
-    entry = {tok: float(out.chosen_lp[i])}
+def _logprob_entry(out: StepOutput, i: int, tok: int, k: int) -> dict[int, Logprob]:
+    """The sampled token's ``Logprob`` (its rank among all tokens) and the top ``k``."""
+    assert out.chosen_lp is not None and out.chosen_rank is not None
+    entry = {tok: Logprob(float(out.chosen_lp[i]), int(out.chosen_rank[i]))}
     if k > 0:
         assert out.top_lp is not None and out.top_ids is not None
-        for lp, tid in zip(out.top_lp[i, :k].tolist(), out.top_ids[i, :k].tolist(), strict=True):
-            entry[int(tid)] = float(lp)
+        top = zip(out.top_lp[i, :k].tolist(), out.top_ids[i, :k].tolist(), strict=True)
+        for rank, (lp, tid) in enumerate(top, 1):
+            entry.setdefault(int(tid), Logprob(float(lp), rank))
     return entry
+
+
+def _prompt_entries(
+    out: StepOutput, i: int, chunk: Chunk, k: int | None
+) -> list[dict[int, Logprob]]:
+    """The chunk's prompt logprobs: at each position, the next prompt token's and the top k."""
+    assert out.prompt_lp is not None and out.prompt_rank is not None and k is not None
+    assert out.prompt_top_lp is not None and out.prompt_top_ids is not None
+    n = min(chunk.length, len(chunk.req.prompt_ids) - chunk.start - 1)
+    targets = chunk.req.prompt_ids[chunk.start + 1 : chunk.start + 1 + n]
+    lps, ranks = out.prompt_lp[i, :n].tolist(), out.prompt_rank[i, :n].tolist()
+    top_lp, top_ids = out.prompt_top_lp[i, :n, :k].tolist(), out.prompt_top_ids[i, :n, :k].tolist()
+    entries = []
+    for t, tok in enumerate(targets):
+        entry = {tok: Logprob(lps[t], ranks[t])}
+        for rank, (lp, tid) in enumerate(zip(top_lp[t], top_ids[t], strict=True), 1):
+            entry.setdefault(tid, Logprob(lp, rank))
+        entries.append(entry)
+    return entries

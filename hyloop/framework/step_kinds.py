@@ -24,8 +24,12 @@ from hyloop.framework.requests import Batch, Chunk, Request
 from hyloop.framework.sampling_params import SamplingParams
 from hyloop.graphs.capture import ArtifactKey
 from hyloop.graphs.ops import scatter_track_slots
-from hyloop.graphs.sampler import candidate_cap, sample, token_hashes
+from hyloop.graphs.sampler import apply_penalties, candidate_cap, sample, token_hashes
 from hyloop.graphs.step_batch import RequestTable, StepBatch, StepOutput, StepPools, column
+
+
+def _prompt_seen(req: Request) -> list[int]:
+    return req.prompt_ids if req.params.repetition_penalty != 1.0 else []
 
 
 @dataclasses.dataclass
@@ -33,15 +37,22 @@ class TokenSampling(RequestTable):
     """Per-request sampling of a token step: each ``column`` says where its value comes from,
     and ``TokenStep.step`` reads it. The padding row samples greedily."""
 
-    temperature: torch.Tensor = column(torch.float32, 0.0, lambda r: r.params.temperature)
-    top_k: torch.Tensor = column(torch.int64, -1, lambda r: r.params.top_k)
-    top_p: torch.Tensor = column(torch.float32, 1.0, lambda r: r.params.top_p)
+    temperature: torch.Tensor = column(torch.float32, 0.0, lambda r: r.params.sampling_temperature)
+    top_k: torch.Tensor = column(torch.int64, -1, lambda r: r.params.filter_top_k)
+    top_p: torch.Tensor = column(torch.float32, 1.0, lambda r: r.params.filter_top_p)
     seed: torch.Tensor = column(torch.int64, 0, lambda r: r.seed32)
+    repetition: torch.Tensor = column(torch.float32, 1.0, lambda r: r.params.repetition_penalty)
+    frequency: torch.Tensor = column(torch.float32, 0.0, lambda r: r.params.frequency_penalty)
+    presence: torch.Tensor = column(torch.float32, 0.0, lambda r: r.params.presence_penalty)
+    # Output token counts, bumped by the step's own kept samples; the prompt's tokens (only
+    # for a repetition penalty, which counts them too).
+    counts: torch.Tensor = column(torch.float32, 0.0, shape=("vocab",))
+    prompt_seen: torch.Tensor = column(torch.bool, False, _prompt_seen, ("vocab",), marks=True)
 
 
-def forward_last(model: nn.Module, batch: StepBatch) -> torch.Tensor:
-    """The model's hidden state at each row's last position ``[B, H]``; recurrent layers
-    publish their state into the rows' track slots (rows without a boundary write slot 0)."""
+def forward_all(model: nn.Module, batch: StepBatch) -> torch.Tensor:
+    """The model's hidden states ``[B, T, H]``; recurrent layers publish their state into the
+    rows' track slots (rows without a boundary write slot 0)."""
     # NOTE: a captured step replays one view, so the per-step memo starts afresh each call
     # (stored, never read: no guard depends on what the last replay left there).
     batch.meta = {}
@@ -50,8 +61,17 @@ def forward_last(model: nn.Module, batch: StepBatch) -> torch.Tensor:
     if recurrent is not None:
         for buf in (*recurrent.temporal, *recurrent.conv):
             scatter_track_slots(buf, batch.state_slots, batch.track_slots)
+    return hidden
+
+
+def last_rows(hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+    """Each row's hidden state at its last real position ``[B, H]``."""
     rows = torch.arange(hidden.shape[0], device=hidden.device)
     return hidden[rows, batch.last_index]
+
+
+def forward_last(model: nn.Module, batch: StepBatch) -> torch.Tensor:
+    return last_rows(forward_all(model, batch), batch)
 
 
 class StepKind:
@@ -77,7 +97,7 @@ class StepKind:
         self.max_context = max_context
         self.kernels = kernels  # CPU GEMM choices to complete before a capture (or None)
         rows = pools.req_to_token.shape[0]
-        requests = self.table.allocate(rows, self.device, **dims)
+        requests = self.table.allocate(rows, self.device, vocab=vocab_size, **dims)
         self.pools = dataclasses.replace(pools, requests=requests)
         self.captured_pools = dataclasses.replace(self.pools, compute=captured_compute)
         self.tok_hash = token_hashes(vocab_size, self.device)
@@ -87,11 +107,11 @@ class StepKind:
     def filter_group(self, params: SamplingParams) -> tuple[float, int, float]:
         """``(temperature, top_k, top_p)`` of the distribution whose filters size the step's
         sampler (``sampler.candidate_cap``)."""
-        return (params.temperature, params.top_k, params.top_p)
+        return (params.sampling_temperature, params.filter_top_k, params.filter_top_p)
 
     def samples(self, params: SamplingParams) -> bool:
         """Whether the request draws from noise at all (else it is greedy)."""
-        return params.temperature > 0
+        return not params.greedy
 
     def mode(self, params: Iterable[SamplingParams]) -> tuple[int, int]:
         """``(top_cap, num_logprobs)`` of a step over requests sampling with ``params``."""
@@ -127,6 +147,7 @@ class StepKind:
             num_logprobs=nlp,
             keep_logits=keep_logits,
             greedy_only=not any(self.samples(p) for p in params),
+            penalized=any(_penalized(p) for p in params),
         )
         if batch.is_decode:
             return self._decode(chunks, batch.planned, **static)
@@ -163,6 +184,7 @@ class StepKind:
             state_slots=packed[2],
             track_slots=packed[3],
             out_pos=packed[4],
+            keeps=torch.ones_like(positions),
             pools=self.pools,
             kv_len=max(pos) + 1,
             is_decode=True,
@@ -196,10 +218,21 @@ class StepKind:
                 [_lease(c).state_slot for c in chunks],
                 [c.track_slot for c in chunks],
                 _out_pos(chunks),
+                [int(c.completes_prompt) for c in chunks],
             ],
             dtype=torch.int64,
         )
-        rows, prefix, ext, state, track, out_pos = self.to_device(per_row)
+        rows, prefix, ext, state, track, out_pos, keeps = self.to_device(per_row)
+        wants = [c.req.params.prompt_logprobs for c in chunks]
+        k = max((w for w in wants if w is not None), default=-1)
+        targets = None
+        if k >= 0:  # each position's next prompt token (-1: none)
+            targets = torch.full((b, t), -1, dtype=torch.int64)
+            for i, c in enumerate(chunks):
+                if wants[i] is not None:
+                    nxt = c.req.prompt_ids[c.start + 1 : c.start + c.length + 1]
+                    targets[i, : len(nxt)] = torch.tensor(nxt, dtype=torch.int64)
+            targets = self.to_device(targets)
         return StepBatch(
             input_ids=self.to_device(ids),
             positions=self.to_device(pos),
@@ -210,10 +243,17 @@ class StepKind:
             state_slots=state,
             track_slots=track,
             out_pos=out_pos,
+            keeps=keeps,
             pools=self.pools,
             kv_len=max(c.start + c.length for c in chunks),
+            prompt_logprobs=k,
+            prompt_targets=targets,
             **static,
         )
+
+
+def _penalized(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
 
 def _lease(c: Chunk) -> Lease:
@@ -231,11 +271,22 @@ class TokenStep(StepKind):
 
     def step(self, batch: StepBatch) -> StepOutput:
         """One forward + sample. Shapes are fixed by ``batch``: capture-safe."""
-        logits = self.model.compute_logits(forward_last(self.model, batch))
+        hidden = forward_all(self.model, batch)
+        logits = self.model.compute_logits(last_rows(hidden, batch))
         s, rows = batch.pools.requests, batch.req_rows
         assert isinstance(s, TokenSampling)
+        processed = logits  # logprobs are the raw model's (vLLM's default)
+        if batch.penalized:
+            processed = apply_penalties(
+                logits,
+                s.counts[rows],
+                s.prompt_seen[rows],
+                s.repetition[rows],
+                s.frequency[rows],
+                s.presence[rows],
+            )
         next_ids = sample(
-            logits,
+            processed,
             s.temperature[rows],
             s.top_k[rows],
             s.top_p[rows],
@@ -245,9 +296,30 @@ class TokenStep(StepKind):
             batch.top_cap,
             batch.greedy_only,
         )
-        if batch.num_logprobs == 0:
-            return StepOutput(next_ids, logits)
-        lp = logits.log_softmax(dim=-1)
-        chosen = lp.gather(1, next_ids[:, None]).squeeze(1)
-        top_lp, top_ids = lp.topk(batch.num_logprobs, dim=-1)
-        return StepOutput(next_ids, logits, top_lp, top_ids, chosen)
+        if batch.penalized:  # the step's kept samples count towards the next step's penalties
+            s.counts.index_put_((rows, next_ids), batch.keeps.to(s.counts.dtype), accumulate=True)
+        out = StepOutput(next_ids, logits)
+        if batch.num_logprobs > 0:
+            out.chosen_lp, out.chosen_rank, out.top_lp, out.top_ids = _logprobs(
+                logits, next_ids, batch.num_logprobs
+            )
+        if batch.prompt_logprobs >= 0:  # eager prefill: every position's next prompt token
+            assert batch.prompt_targets is not None
+            targets = batch.prompt_targets
+            every = self.model.compute_logits(hidden)
+            out.prompt_lp, out.prompt_rank, out.prompt_top_lp, out.prompt_top_ids = _logprobs(
+                every, targets.clamp_min(0), batch.prompt_logprobs
+            )
+        return out
+
+
+def _logprobs(
+    logits: torch.Tensor, chosen: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logprob, rank)`` of the ``chosen`` ids (``logits [..., V]``, ``chosen [...]``) and the
+    top ``k`` ``(logprobs, ids)``, under the raw model distribution."""
+    lp = logits.log_softmax(dim=-1)
+    picked = lp.gather(-1, chosen[..., None]).squeeze(-1)
+    rank = (lp > picked[..., None]).sum(dim=-1) + 1
+    top_lp, top_ids = lp.topk(k, dim=-1)
+    return picked, rank, top_lp, top_ids

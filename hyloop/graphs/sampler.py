@@ -124,3 +124,24 @@ def sample(
     perturbed = torch.where(keep, top + noise, -torch.inf)
     sampled = order.gather(1, perturbed.argmax(dim=-1, keepdim=True)).squeeze(1)
     return torch.where(temperature > 0, sampled, greedy)
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    counts: torch.Tensor,
+    prompt_seen: torch.Tensor,
+    repetition: torch.Tensor,
+    frequency: torch.Tensor,
+    presence: torch.Tensor,
+) -> torch.Tensor:
+    """vLLM's penalties over ``logits [B, V]``: ``repetition [B]`` divides a positive (multiplies
+    a negative) logit of a token seen in the prompt or the output; ``frequency [B]`` subtracts
+    ``frequency * count`` and ``presence [B]`` subtracts ``presence`` once for each token the
+    output holds (``counts [B, V]``, ``prompt_seen [B, V]`` bool). Neutral values (1, 0, 0)
+    leave a row's logits bit-exact."""
+    seen = counts > 0
+    rep = repetition[:, None]
+    repeated = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen | prompt_seen, repeated, logits)
+    logits = logits - frequency[:, None] * counts
+    return logits - presence[:, None] * seen.to(logits.dtype)

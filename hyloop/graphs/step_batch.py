@@ -78,6 +78,7 @@ class StepBatch:
     state_slots: torch.Tensor = _row()  # [B] recurrent working slot
     track_slots: torch.Tensor = _row()  # [B] track slot to publish the state into (0: none)
     out_pos: torch.Tensor = _row()  # [B] index in the output of the token being sampled
+    keeps: torch.Tensor = _row()  # [B] 1: the sampled token is kept (not a mid-prompt chunk's)
     pools: StepPools
     kv_len: int  # static: table columns attention reads (>= max(prefix + extend))
     is_decode: bool = False  # static: one new token per row (the decode path of every layer)
@@ -85,6 +86,13 @@ class StepBatch:
     num_logprobs: int = 0  # static: top logprobs returned per row
     keep_logits: bool = False  # static: the output keeps the logits
     greedy_only: bool = False  # static, eager steps only: every row is greedy
+    # static: apply the per-request penalties (captured steps always do: a neutral row's are
+    # exact no-ops); eager steps only when some row has one
+    penalized: bool = False
+    # eager prefill only: the top prompt logprobs kept per position (-1: none), and each
+    # position's next prompt token ``[B, T]`` (-1: none)
+    prompt_logprobs: int = -1
+    prompt_targets: torch.Tensor | None = None
     # Per-step values computed once and shared by every layer (attention indices, RoPE rows).
     meta: dict[Any, Any] = field(default_factory=dict)
 
@@ -129,6 +137,12 @@ class StepOutput:
     top_ids: torch.Tensor | None = None  # [B, K]
     chosen_lp: torch.Tensor | None = None  # [B] logprob of the sampled token
     next_rows: torch.Tensor | None = None  # [B, C] multi-channel models
+    chosen_rank: torch.Tensor | None = None  # [B] 1 + tokens more likely than the sampled one
+    # prompt logprobs: the next prompt token's ``[B, T]`` logprob and rank, and the top ones
+    prompt_lp: torch.Tensor | None = None
+    prompt_rank: torch.Tensor | None = None
+    prompt_top_lp: torch.Tensor | None = None  # [B, T, K]
+    prompt_top_ids: torch.Tensor | None = None
 
     @property
     def feedback(self) -> torch.Tensor:
@@ -158,6 +172,7 @@ class Column:
     pad: float | int
     of: Callable[[Any], Any] | None  # the request's value (host); None: reset to ``pad``
     shape: tuple[int | str, ...]  # trailing dims; a str names a dim given to ``allocate``
+    marks: bool = False  # ``of`` gives the indices of a ``[n]`` row that hold 1 (the rest pad)
 
 
 def column(
@@ -165,11 +180,13 @@ def column(
     pad: float | int,
     of: Callable[[Any], Any] | None = None,
     shape: tuple[int | str, ...] = (),
+    marks: bool = False,
 ) -> Any:
     """Declare a per-request tensor of a ``RequestTable``: its dtype, the value of the padding
     row (and of a row before a request takes it), and how a request's value is computed
-    (``of(request)``; None for state that the step updates itself, reset when a row is taken)."""
-    return field(default=None, metadata={"column": Column(dtype, pad, of, shape)})
+    (``of(request)``; None for state that the step updates itself, reset when a row is taken;
+    ``marks``: the indices set to 1, as a mask over a vocabulary)."""
+    return field(default=None, metadata={"column": Column(dtype, pad, of, shape, marks)})
 
 
 @dataclass
@@ -206,7 +223,10 @@ class RequestTable:
         for name, c in self.columns().items():
             t: torch.Tensor = getattr(self, name)
             value = c.pad if c.of is None else c.of(req)
-            if isinstance(value, int | float):
+            if c.marks:
+                t[row] = c.pad
+                t[row, torch.as_tensor(value, dtype=torch.int64, device=t.device)] = 1
+            elif isinstance(value, int | float):
                 t[row] = value
             else:
                 t[row].copy_(torch.as_tensor(value, dtype=c.dtype), non_blocking=True)
@@ -233,7 +253,9 @@ class CaptureBuffer:
             if f.name == "input_ids" and channels:
                 shape = (max_bs, 1, channels)
             rows[f.name] = torch.zeros(shape, dtype=torch.int64, device=device)
-        full = StepBatch(**rows, pools=pools, kv_len=kv_len, is_decode=True, keep_logits=True)
+        full = StepBatch(
+            **rows, pools=pools, kv_len=kv_len, is_decode=True, keep_logits=True, penalized=True
+        )
         buffer = cls(full)
         buffer.fill_padding(buffer.full)
         return buffer

@@ -11,7 +11,9 @@ from hyloop.models.loaders.hf import read_json
 
 
 class TextTokenizer:
-    """``encode`` follows the checkpoint's leading-BOS rule; no chat template unless asked."""
+    """An HF-compatible tokenizer over ``tokenizers``: ``tok(text)``, ``encode`` (with the
+    checkpoint's leading-BOS rule), ``decode``, special-token ids, ``apply_chat_template`` with
+    HF's arguments. No chat template unless the checkpoint ships one."""
 
     def __init__(
         self,
@@ -22,19 +24,77 @@ class TextTokenizer:
         chat_template: str | None,
         special_tokens: dict[str, str] | None = None,
         post_processor_adds_bos: bool = False,
+        eos_ids: list[int] | None = None,
+        name_or_path: str = "",
     ) -> None:
         self.tokenizer = tokenizer
         self.add_bos = add_bos
         self.bos_id = bos_id
         self.chat_template = chat_template
-        self.special_tokens = special_tokens or {}
+        self.special_tokens = dict(special_tokens or {})
         self._pp_bos = post_processor_adds_bos
+        self.eos_ids = list(eos_ids or [])
+        self.name_or_path = name_or_path
 
+    # -- HF's attributes ------------------------------------------------------------------------
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    @property
+    def bos_token(self) -> str | None:
+        if "bos_token" in self.special_tokens or self.bos_id is None:
+            return self.special_tokens.get("bos_token")
+        return self.tokenizer.id_to_token(self.bos_id)
+
+    @property
+    def eos_token(self) -> str | None:
+        if "eos_token" in self.special_tokens or not self.eos_ids:
+            return self.special_tokens.get("eos_token")
+        return self.tokenizer.id_to_token(self.eos_ids[0])
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.bos_id
+
+    @property
+    def eos_token_id(self) -> int | None:
+        if self.eos_ids:
+            return self.eos_ids[0]
+        return self.token_to_id(self.eos_token) if self.eos_token else None
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return None
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        ids = {self.bos_id, *self.eos_ids}
+        return sorted(i for i in ids if i is not None)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.tokenizer.get_vocab(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.tokenizer.token_to_id(token)
+
+    def convert_ids_to_tokens(self, ids: int | list[int]) -> str | list[str]:
+        if isinstance(ids, int):
+            return self.tokenizer.id_to_token(ids) or ""
+        return [self.tokenizer.id_to_token(i) or "" for i in ids]
+
+    def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | None | list[int | None]:
+        if isinstance(tokens, str):
+            return self.tokenizer.token_to_id(tokens)
+        return [self.tokenizer.token_to_id(t) for t in tokens]
+
+    # -- encode / decode ------------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not add_special_tokens:
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
         if self._pp_bos:  # the tokenizer.json post-processor is the checkpoint's own rule
             return self.tokenizer.encode(text, add_special_tokens=True).ids
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -42,14 +102,47 @@ class TextTokenizer:
             ids = [self.bos_id, *ids]
         return ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def __call__(
+        self, text: str | list[str], add_special_tokens: bool = True, **kwargs: Any
+    ) -> dict[str, Any]:
+        """HF's ``BatchEncoding`` as a dict: ``input_ids`` and ``attention_mask``."""
+        if kwargs.get("return_tensors") is not None:
+            raise ValueError("TextTokenizer(...): return_tensors is not supported; lists only")
+        if isinstance(text, str):
+            ids = self.encode(text, add_special_tokens)
+            return {"input_ids": ids, "attention_mask": [1] * len(ids)}
+        batch = [self.encode(t, add_special_tokens) for t in text]
+        return {"input_ids": batch, "attention_mask": [[1] * len(i) for i in batch]}
+
+    def decode(self, ids: int | list[int], skip_special_tokens: bool = False) -> str:
+        if isinstance(ids, int):
+            ids = [ids]
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def batch_decode(self, batch: list[list[int]], skip_special_tokens: bool = False) -> list[str]:
+        return [self.decode(ids, skip_special_tokens) for ids in batch]
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
-    ) -> str:
-        if not self.chat_template:
+        self,
+        conversation: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = False,
+        tokenize: bool = True,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+        **kwargs: Any,
+    ) -> str | list[int]:
+        """HF's signature and defaults (``tokenize=True``, no generation prompt): the chat
+        rendered with ``chat_template`` or the checkpoint's; ``continue_final_message`` leaves
+        the last message open for the model to continue."""
+        template = chat_template or self.chat_template
+        if not template:
             raise ValueError("this checkpoint has no chat template; pass plain prompts instead")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError(
+                "apply_chat_template: add_generation_prompt and continue_final_message are "
+                "exclusive (the first opens a new assistant turn, the second continues the last)"
+            )
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -59,10 +152,21 @@ class TextTokenizer:
             raise jinja2.exceptions.TemplateError(message)
 
         env.globals["raise_exception"] = raise_exception
-        template = env.from_string(self.chat_template)
-        return template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
+        text = env.from_string(template).render(
+            messages=conversation,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            **{**self.special_tokens, **kwargs},
         )
+        if continue_final_message:
+            last = conversation[-1].get("content") if conversation else None
+            if not isinstance(last, str) or last.strip() not in text:
+                raise ValueError(
+                    "continue_final_message: the final message's text is not in the rendered "
+                    "chat, so it cannot be continued"
+                )
+            text = text[: text.rindex(last.strip()) + len(last.strip())]
+        return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
 def _token_str(value: Any) -> str | None:

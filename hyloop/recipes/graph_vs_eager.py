@@ -123,7 +123,7 @@ def run_wave(
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
-                done[out.request_id] = out.token_ids
+                done[out.request_id] = out.outputs[0].token_ids
     after = engine.stats()
     delta = {k: after[k] - before[k] for k in (*COUNTERS, "decode_steps", "decode_tokens")}
     tokens = [done[r.request_id] for r in reqs]

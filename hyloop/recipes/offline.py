@@ -1,16 +1,29 @@
-"""Offline batch generation: JSONL in, JSONL out, input order kept."""
+"""Offline batch generation: JSONL in, JSONL out, input order kept, a bad row failing alone.
+
+A row is an object with ``id`` (optional, kept), one of ``prompt`` / ``prompt_token_ids`` /
+``messages``, and any ``SamplingParams`` field (``SAMPLING_FIELDS``); fields it leaves out get
+the engine's request defaults (vLLM's, under the model's generation_config.json). Rows are
+checked for structure before the model loads, and against the model before any runs; a bad
+row fails alone. The records written: see ``hyloop.recipes.records``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
+import re
 import sys
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hyloop.framework.chat import check_messages, render_chat
 from hyloop.framework.llm import LLM
-from hyloop.framework.sampling_params import SamplingParams
+from hyloop.framework.outputs import RequestOutput
+from hyloop.framework.sampling_params import NotSupportedError, SamplingParams
+from hyloop.recipes.records import PROMPT_FIELDS, Line, RecordWriter, failed_fields, result_fields
 
 if TYPE_CHECKING:
     from hyloop.models.tokenizer import TextTokenizer
@@ -21,8 +34,14 @@ DEFAULT_PROMPTS = [
     "Explain in one sentence what a radix tree is.",
     "List three prime numbers.",
 ]
-SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__)
-PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")  # a row gives exactly one
+# A row's sampling fields: SamplingParams' own, less those a JSON row cannot mean (the
+# per-group sampling object of a TTS model; how the engine streams outputs).
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {
+    "frame",
+    "output_kind",
+}
+ROW_FIELDS = frozenset({"id", *PROMPT_FIELDS, *SAMPLING_FIELDS})
+Prompt = str | list[int]
 
 
 def default_checkpoint() -> Path:
@@ -53,69 +72,64 @@ def read_json_lines(path: str) -> list[tuple[int, Any]]:
     return values
 
 
-def read_jsonl(path: str) -> list[tuple[int, dict[str, Any]]]:
-    """``(line number, row)`` pairs; structural errors name the line."""
-    rows = []
-    for n, row in read_json_lines(path):
-        given = [f for f in PROMPT_FIELDS if f in row] if isinstance(row, dict) else []
-        if "messages" in given and len(given) > 1:
-            raise ValueError(
-                f"{path}:{n}: `messages` and `{given[0]}` both given; a row is either a chat "
-                "(`messages`) or a prompt (`prompt` or `prompt_token_ids`)"
-            )
-        if len(given) != 1:
-            raise ValueError(
-                f"{path}:{n}: expected an object with one of `prompt`, `prompt_token_ids` "
-                "or `messages`"
-            )
-        unknown = set(row) - SAMPLING_FIELDS - {*PROMPT_FIELDS, "id"}
-        if unknown:
-            raise ValueError(f"{path}:{n}: unknown fields {sorted(unknown)}")
-        if "messages" in row:
-            check_messages(f"{path}:{n}", row["messages"])
-        rows.append((n, row))
-    return rows
+def read_rows(path: str) -> list[Line]:
+    """Every non-blank line of ``path``, each checked for structure (``check_row``): a bad one
+    carries its error, and the others still run."""
+    lines = []
+    with open(path) as fh:
+        for n, text in enumerate(fh, 1):
+            if not text.strip():
+                continue
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as e:
+                lines.append(Line(n, None, f"{path}:{n}: invalid JSON ({e})"))
+                continue
+            row = value if isinstance(value, dict) else None
+            try:
+                check_row(f"{path}:{n}", value)
+            except ValueError as e:
+                lines.append(Line(n, row, str(e)))
+                continue
+            lines.append(Line(n, row))
+    return lines
 
 
-def check_messages(where: str, messages: Any) -> None:
-    """A chat is a non-empty list of ``{"role": str, "content": str}`` objects."""
-    if not isinstance(messages, list) or not messages:
+def check_row(where: str, value: Any) -> None:
+    """What can be checked without the model: the prompt fields, unknown fields, the chat's
+    messages, the sampling fields' values; a ValueError naming ``where`` and the field."""
+    given = [f for f in PROMPT_FIELDS if f in value] if isinstance(value, dict) else []
+    if "messages" in given and len(given) > 1:
         raise ValueError(
-            f"{where}: messages: got {messages!r}; expected a non-empty list of "
-            '{"role": ..., "content": ...} objects'
+            f"{where}: `messages` and `{given[0]}` both given; a row is either a chat "
+            "(`messages`) or a prompt (`prompt` or `prompt_token_ids`)"
         )
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not all(
-            isinstance(message.get(k), str) for k in ("role", "content")
-        ):
-            raise ValueError(
-                f"{where}: messages[{i}]: got {message!r}; expected an object with string "
-                "`role` and `content`"
-            )
+    if len(given) != 1:
+        raise ValueError(
+            f"{where}: expected an object with one of `prompt`, `prompt_token_ids` or `messages`"
+        )
+    unknown = set(value) - ROW_FIELDS
+    if unknown:
+        raise ValueError(
+            f"{where}: unknown fields {sorted(unknown)}; a row takes `id`, a prompt field and "
+            "SamplingParams fields"
+        )
+    if "messages" in value:
+        check_messages(where, value["messages"])
+    else:
+        row_prompt(where, value, None)
+        ids = value.get("prompt_token_ids")
+        if ids is not None and not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError(f"{where}: prompt_token_ids: got {ids!r}; expected a list of ints")
+    row_params(where, value, SamplingParams())
 
 
-def chat_prompt(where: str, messages: list[dict[str, str]], tok: TextTokenizer | None) -> str:
+def chat_prompt(where: str, messages: Any, tok: TextTokenizer | None) -> str:
     """The chat rendered with the model's chat template: the text prompt ``LLM.chat`` sends."""
-    if tok is None:
-        raise ValueError(
-            f"{where}: messages: this model has no tokenizer, so a chat cannot be rendered; "
-            "give `prompt_token_ids` instead"
-        )
-    if not tok.chat_template:
-        raise ValueError(
-            f"{where}: messages: this model has no chat template (GGUF "
-            "`tokenizer.chat_template`, or tokenizer_config.json / chat_template.jinja of an HF "
-            "directory); give `prompt` or `prompt_token_ids` instead"
-        )
-    import jinja2  # the template engine apply_chat_template renders with
-
-    try:
-        return tok.apply_chat_template(messages)
-    except jinja2.TemplateError as e:
-        raise ValueError(f"{where}: messages: the chat template rejected them: {e}") from e
+    return render_chat(f"{where}: messages", messages, tok)
 
 
-def row_prompt(where: str, row: dict[str, Any], tok: TextTokenizer | None) -> str | list[int]:
+def row_prompt(where: str, row: dict[str, Any], tok: TextTokenizer | None) -> Prompt:
     """The prompt a row gives (a chat rendered with the model's template), unchecked against
     the engine; a field of the wrong type raises naming ``where``."""
     # Check the field the row used: a string in prompt_token_ids is no text prompt.
@@ -123,7 +137,7 @@ def row_prompt(where: str, row: dict[str, Any], tok: TextTokenizer | None) -> st
         return chat_prompt(where, row["messages"], tok)
     if "prompt" in row:
         prompt = row["prompt"]
-        if not isinstance(prompt, str | list):
+        if not isinstance(prompt, str):
             raise ValueError(f"{where}: prompt: got {prompt!r}; expected a string")
         return prompt
     prompt = row.get("prompt_token_ids")
@@ -133,49 +147,105 @@ def row_prompt(where: str, row: dict[str, Any], tok: TextTokenizer | None) -> st
 
 
 def row_params(where: str, row: dict[str, Any], defaults: SamplingParams) -> SamplingParams:
-    fields = {k: getattr(defaults, k) for k in SAMPLING_FIELDS}
-    fields.update({k: v for k, v in row.items() if k in SAMPLING_FIELDS})
-    params = SamplingParams(**fields)
-    params.validate(where)
+    """``defaults`` with the row's sampling fields; a bad value raises naming ``where`` and the
+    field (a field hyloop lacks as ``NotSupportedError``)."""
+    params = dataclasses.replace(defaults, **{k: v for k, v in row.items() if k in SAMPLING_FIELDS})
+    try:
+        params.validate("")
+    except ValueError as e:  # ".field: ..." with where left empty
+        raise type(e)(f"{where}: {str(e).removeprefix('.')}") from None
+    if params.n > 1 or (params.best_of or 1) > 1:  # a record holds one sample
+        raise NotSupportedError(
+            f"{where}: n={params.n}, best_of={params.best_of}: a `hyloop generate` record holds "
+            "one sample; use `hyloop run-batch` (one choice per sample) or LLM.generate"
+        )
     return params
 
 
+def error_text(where: str, error: Exception) -> str:
+    """``where: what is wrong``, without the engine's ``request '...'`` prefix."""
+    message = re.sub(r"^request '[^']*': ", "", str(error)).removeprefix(f"{where}: ")
+    return f"{where}: {message}"
+
+
+def prepare(
+    llm: LLM, where: str, row: dict[str, Any], defaults: SamplingParams
+) -> tuple[Prompt, SamplingParams]:
+    """A row's prompt and params, checked against the model without queueing anything."""
+    prompt = row_prompt(where, row, llm.tokenizer)
+    params = row_params(where, row, defaults)
+    field = next(f for f in PROMPT_FIELDS if f in row)
+    try:
+        llm.engine.validate_prompt(where, prompt, params)
+    except ValueError as e:
+        raise ValueError(error_text(f"{where}: {field}", e)) from None
+    return prompt, params
+
+
+def generate_isolated(
+    llm: LLM, items: Sequence[tuple[Prompt, SamplingParams]], use_tqdm: bool = False
+) -> Iterator[tuple[int, RequestOutput | ValueError]]:
+    """``(index, output)`` as each request finishes. A request the engine refuses on admission
+    (one the KV pool could never hold) refuses the whole call before anything runs: the batch is
+    split in halves until that request is alone, and it comes back as its ValueError."""
+
+    def run(idx: list[int]) -> Iterator[tuple[int, RequestOutput | ValueError]]:
+        started = False
+        try:
+            prompts, params = [items[i][0] for i in idx], [items[i][1] for i in idx]
+            for j, out in llm.generate_iter(prompts, params, use_tqdm=use_tqdm):
+                started = True
+                yield idx[j], out
+        except ValueError as e:
+            if started:
+                raise
+            if len(idx) == 1:
+                yield idx[0], e
+                return
+            yield from run(idx[: len(idx) // 2])
+            yield from run(idx[len(idx) // 2 :])
+
+    if items:
+        yield from run(list(range(len(items))))
+
+
 def run_generate(args: argparse.Namespace) -> int:
+    """``hyloop generate``: 0 when every row ran, 1 when some failed (each written with its
+    ``error``); a CLI-level error (no input file, bad config) raises, for exit code 2."""
+    lines = read_rows(args.input) if args.input else []  # before the model loads
     model = args.model or str(default_checkpoint())
     with LLM(model=model, config=args.config or None, overrides=args.overrides) as llm:
-        defaults = llm.engine.default_params()
+        ready: list[tuple[int, Prompt, SamplingParams]] = []
         if args.input:
-            numbered = read_jsonl(args.input)
-            rows = [r for _, r in numbered]
-            prompts, params = [], []
-            for n, r in numbered:
-                where = f"{args.input}:{n}"
-                prompt = row_prompt(where, r, llm.tokenizer)
-                llm.engine.validate_prompt(where, prompt)
-                prompts.append(prompt)
-                params.append(row_params(where, r, defaults))
-        else:
-            rows = [{"prompt": p} for p in DEFAULT_PROMPTS]
+            defaults = llm.engine.default_params()
+            for i, line in enumerate(lines):
+                if line.error is None and line.row is not None:
+                    where = f"{args.input}:{line.number}"
+                    try:
+                        ready.append((i, *prepare(llm, where, line.row, defaults)))
+                    except (ValueError, TypeError) as e:
+                        line.error = error_text(where, e)
+        else:  # the built-in demo: greedy, each prompt as a chat when the model has a template
             tok = llm.tokenizer
-            prompts = [
-                tok.apply_chat_template([{"role": "user", "content": p}])
-                if tok is not None and tok.chat_template
-                else p
-                for p in DEFAULT_PROMPTS
-            ]
-            params = [SamplingParams(temperature=0.0, max_tokens=48)] * len(prompts)
-        outs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
-        if args.output:
-            with open(args.output, "w") as fh:
-                for row, out in zip(rows, outs, strict=True):
-                    rec = dict(row)
-                    rec.update(
-                        text=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason
-                    )
-                    fh.write(json.dumps(rec) + "\n")
-        else:
-            for row, out in zip(rows, outs, strict=True):
-                shown = next(row[f] for f in PROMPT_FIELDS if f in row)
-                print(f"\n>>> {shown}\n{out.text if out.text is not None else out.token_ids}")
+            demo = SamplingParams(temperature=0.0, max_tokens=48)
+            for i, p in enumerate(DEFAULT_PROMPTS):
+                lines.append(Line(i + 1, {"prompt": p}))
+                chat = [{"role": "user", "content": p}]
+                prompt = render_chat("demo", chat, tok) if tok and tok.chat_template else p
+                ready.append((i, prompt, demo))
+        with RecordWriter(args.output, lines) as sink:
+            for i, line in enumerate(lines):
+                if line.error is not None:
+                    sink.put(i, failed_fields(line.error))
+            items = [(p, s) for _, p, s in ready]
+            for j, out in generate_isolated(llm, items, use_tqdm=not args.no_progress):
+                i, _, params = ready[j]
+                if isinstance(out, ValueError):
+                    where = f"{args.input or 'demo'}:{lines[i].number}"
+                    sink.put(i, failed_fields(error_text(where, out)))
+                else:
+                    sink.put(i, result_fields(out, params, llm.tokenizer is not None))
         print("\n" + llm.summary(), file=sys.stderr if args.output else sys.stdout)
-    return 0
+    if args.input:
+        print(f"{len(lines) - sink.failed} rows done, {sink.failed} failed", file=sys.stderr)
+    return 1 if sink.failed else 0

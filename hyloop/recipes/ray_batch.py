@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,27 +30,48 @@ from hyloop.framework.config import ConfigError, EngineConfig, merge_config, val
 from hyloop.framework.llm import LLM
 from hyloop.framework.sampling_params import SamplingParams
 from hyloop.models.loader import load_tokenizer
-from hyloop.recipes.offline import default_checkpoint, read_jsonl, row_params, row_prompt
+from hyloop.recipes.offline import (
+    Prompt,
+    default_checkpoint,
+    error_text,
+    generate_isolated,
+    prepare,
+    read_rows,
+)
 from hyloop.recipes.prefix_shards import ShardPlan, key_block, plan_shards
 from hyloop.recipes.ray_blocks import (
     REQUEST,
     REQUEST_FIELDS,
     ROW,
+    WHERE,
     batch_rows,
     indexed_blocks,
     prefix_keys,
     regroup,
 )
+from hyloop.recipes.records import RecordWriter, failed_fields, result_fields
 
 ConfigSource = str | Path | list[str | Path] | dict[str, Any] | None  # YAML path(s) or a dict
-OUTPUT_TYPES = {  # the columns a replica adds, with their Arrow types
+LOGPROB = pa.struct(  # one entry of a position's logprobs (see hyloop.recipes.records)
+    [
+        ("token_id", pa.int64()),
+        ("logprob", pa.float64()),
+        ("rank", pa.int64()),
+        ("decoded_token", pa.string()),
+    ]
+)
+OUTPUT_TYPES = {  # the columns a replica adds (``result_fields``), with their Arrow types
     "text": pa.string(),
     "token_ids": pa.list_(pa.int64()),
     "finish_reason": pa.string(),
-    "num_cached_tokens": pa.int64(),
+    "stop_reason": pa.int64(),
     "num_prompt_tokens": pa.int64(),
+    "num_cached_tokens": pa.int64(),
+    "cumulative_logprob": pa.float64(),
+    "logprobs": pa.list_(pa.list_(LOGPROB)),
     "error": pa.string(),
 }
+COUNTS = ("num_prompt_tokens", "num_cached_tokens")  # never null: plain int64 numpy columns
 
 
 class RaySection(BaseModel):
@@ -92,7 +112,8 @@ class EngineReplica:
 
     ``config``: an ``EngineConfig``, YAML path(s) or a dict (``ray.`` keys are ignored here). A
     row that cannot run fails alone, with ``finish_reason`` ``"error"`` and an ``error`` naming
-    its index (``ROW`` when the batch carries it, else its place in the batch).
+    it: its ``WHERE`` label when the batch has one, else ``row N`` (N: its ``ROW`` when the batch
+    carries it, else its place in the batch).
     """
 
     def __init__(
@@ -114,7 +135,8 @@ class EngineReplica:
         tables: other columns pass through untouched, and the added ones get one Arrow type
         whatever the batch holds."""
         if isinstance(batch, pa.Table):
-            names = [f for f in (REQUEST, ROW, *REQUEST_FIELDS) if f in batch.column_names]
+            wanted = (REQUEST, ROW, WHERE, *REQUEST_FIELDS)
+            names = [f for f in wanted if f in batch.column_names]
             results = self.run({f: batch.column(f).to_pylist() for f in names}, batch.num_rows)
             table = batch.drop_columns([f for f in OUTPUT_TYPES if f in batch.column_names])
             for name, kind in OUTPUT_TYPES.items():
@@ -122,8 +144,8 @@ class EngineReplica:
             return table
         results = self.run(batch, len(next(iter(batch.values()), [])))
         out = dict(batch)
-        for name, kind in OUTPUT_TYPES.items():
-            if kind == pa.int64():
+        for name in OUTPUT_TYPES:
+            if name in COUNTS:
                 out[name] = np.array([r[name] for r in results], dtype=np.int64)
                 continue
             column = np.empty(len(results), dtype=object)
@@ -136,61 +158,26 @@ class EngineReplica:
     def run(self, columns: Mapping[str, Any], num_rows: int) -> list[dict[str, Any]]:
         """The ``OUTPUT_TYPES`` fields of each row given by ``columns`` (see ``batch_rows``)."""
         rows = batch_rows(columns, num_rows)
-        labels = [int(i) for i in columns[ROW]] if ROW in columns else list(range(num_rows))
+        if WHERE in columns:
+            labels = [str(w) for w in columns[WHERE]]
+        else:
+            labels = [f"row {int(i)}" for i in columns.get(ROW, range(num_rows))]
         results: list[dict[str, Any]] = [{} for _ in rows]
-        ready: list[tuple[int, str | list[int], SamplingParams]] = []
-        for i, (label, row) in enumerate(zip(labels, rows, strict=True)):
-            where = f"row {label}"
+        ready: list[tuple[int, Prompt, SamplingParams]] = []
+        for i, (where, row) in enumerate(zip(labels, rows, strict=True)):
             try:
-                prompt = row_prompt(where, row, self.llm.tokenizer)
-                self.llm.engine.validate_prompt(where, prompt)
-                ready.append((i, prompt, row_params(where, row, self.defaults)))
+                ready.append((i, *prepare(self.llm, where, row, self.defaults)))
             except (ValueError, TypeError) as e:
-                results[i] = _failed(where, e)
-        for i, result in self._generate(ready, labels):
-            results[i] = result
+                results[i] = failed_fields(error_text(where, e))
+        has_text = self.llm.tokenizer is not None
+        items = [(p, s) for _, p, s in ready]
+        for j, out in generate_isolated(self.llm, items):
+            i, _, params = ready[j]
+            if isinstance(out, ValueError):
+                results[i] = failed_fields(error_text(labels[i], out))
+            else:
+                results[i] = result_fields(out, params, has_text)
         return results
-
-    def _generate(
-        self, ready: list[tuple[int, str | list[int], SamplingParams]], labels: list[Any]
-    ) -> list[tuple[int, dict[str, Any]]]:
-        if not ready:
-            return []
-        try:
-            outs = self.llm.generate(
-                [p for _, p, _ in ready], [s for *_, s in ready], use_tqdm=False
-            )
-        except ValueError as e:
-            # A request the engine refuses on admission (it would not fit the pool) aborts the
-            # whole call: run the rows one by one so only that one fails.
-            if len(ready) == 1:
-                return [(ready[0][0], _failed(f"row {labels[ready[0][0]]}", e))]
-            return [r for item in ready for r in self._generate([item], labels)]
-        return [(i, _result(out)) for (i, _, _), out in zip(ready, outs, strict=True)]
-
-
-def _result(out: Any) -> dict[str, Any]:
-    return {
-        "text": out.text,
-        "token_ids": list(out.token_ids),
-        "finish_reason": out.finish_reason,
-        "num_cached_tokens": out.num_cached_tokens,
-        "num_prompt_tokens": len(out.prompt_token_ids),
-        "error": None,
-    }
-
-
-def _failed(where: str, error: Exception) -> dict[str, Any]:
-    """A row that cannot run; its error reads ``row N: what is wrong``."""
-    message = re.sub(r"^request '[^']*': ", "", str(error)).removeprefix(f"{where}: ")
-    return {
-        "text": None,
-        "token_ids": [],
-        "finish_reason": "error",
-        "num_cached_tokens": 0,
-        "num_prompt_tokens": 0,
-        "error": f"{where}: {message}",
-    }
 
 
 def shard_by_prefix(
@@ -277,54 +264,51 @@ def init_ray(address: str | None) -> None:
 
 
 def run_generate_ray(args: argparse.Namespace) -> int:
-    """``hyloop generate --ray N``: the JSONL rows through N replicas, written in input order.
-    Rows that fail are written with their ``error`` and named on stderr, and the exit code is 1."""
+    """``hyloop generate --ray N``: the JSONL rows through N replicas, written in input order as
+    ``hyloop generate`` writes them; 1 when some rows failed, each written with its ``error``."""
     if args.ray < 1:
         raise ValueError(f"--ray: got {args.ray}; expected a number of replicas >= 1")
     if not args.input:
         raise ValueError("--ray needs --input, a JSONL of rows to generate from")
-    numbered = read_jsonl(args.input)
+    lines = read_rows(args.input)  # structure checked here; the rest in the replicas
     model = args.model or str(default_checkpoint())
     overrides = [*args.overrides, f"model.path={model}"]
     _, opts = split_config(args.config or None, overrides)
-    init_ray(opts.address)
-    ray.data.DataContext.get_current().enable_progress_bars = not args.no_progress
-    # Rows travel as JSON text: values of any type (a bad row's too) reach their replica as
-    # written, where Arrow would need one type per column across blocks.
-    requests = [
-        {REQUEST: json.dumps({k: v for k, v in row.items() if k in REQUEST_FIELDS})}
-        for _, row in numbered
-    ]
-    ds = ray.data.from_items(requests, override_num_blocks=max(1, len(requests) // opts.batch_size))
-    out = generate_rows(ds, args.config or None, overrides, args.ray)
-    results: list[dict[str, Any]] = [{} for _ in numbered]
-    with tqdm(total=len(results), desc="rows", unit="row", disable=args.no_progress) as bar:
-        for batch in out.select_columns([ROW, *OUTPUT_TYPES]).iter_batches(
-            batch_size=None, batch_format="pyarrow"
-        ):
-            for row in batch.to_pylist():
-                results[row[ROW]] = row
-            bar.update(batch.num_rows)
-    failed = 0
-    shown = ("text", "token_ids", "finish_reason", "num_cached_tokens")  # the fields rows gain
-    sink = open(args.output, "w") if args.output else sys.stdout  # noqa: SIM115
-    try:
-        for (n, row), result in zip(numbered, results, strict=True):
-            rec = {**row, **{f: result[f] for f in shown}}
-            if result["error"] is not None:
-                failed += 1
-                print(f"hyloop: error: {args.input}:{n}: {result['error']}", file=sys.stderr)
-                rec["error"] = result["error"]
-            sink.write(json.dumps(rec) + "\n")
-    finally:
-        if sink is not sys.stdout:
-            sink.close()
-    cached = sum(r["num_cached_tokens"] for r in results)
-    prompt = sum(r["num_prompt_tokens"] for r in results)
+    good = [i for i, line in enumerate(lines) if line.error is None]
+    with RecordWriter(args.output, lines) as sink:
+        for i, line in enumerate(lines):
+            if line.error is not None:
+                sink.put(i, failed_fields(line.error))
+        if good:
+            init_ray(opts.address)
+            ray.data.DataContext.get_current().enable_progress_bars = not args.no_progress
+            # Rows travel as JSON text: values of any type reach their replica as written,
+            # where Arrow would need one type per column across blocks.
+            requests = [
+                {
+                    REQUEST: json.dumps(
+                        {k: v for k, v in (lines[i].row or {}).items() if k in REQUEST_FIELDS}
+                    ),
+                    WHERE: f"{args.input}:{lines[i].number}",
+                }
+                for i in good
+            ]
+            blocks = max(1, len(requests) // opts.batch_size)
+            ds = ray.data.from_items(requests, override_num_blocks=blocks)
+            out = generate_rows(ds, args.config or None, overrides, args.ray)
+            bar = tqdm(total=len(good), desc="rows", unit="row", disable=args.no_progress)
+            with bar:
+                for batch in out.select_columns([ROW, *OUTPUT_TYPES]).iter_batches(
+                    batch_size=None, batch_format="pyarrow"
+                ):
+                    for result in batch.to_pylist():
+                        sink.put(good[result.pop(ROW)], result)
+                    bar.update(batch.num_rows)
+    computed = sink.prompt_tokens - sink.cached_tokens
     print(
-        f"{len(results) - failed} rows done, {failed} failed; {args.ray} replicas "
+        f"{len(lines) - sink.failed} rows done, {sink.failed} failed; {args.ray} replicas "
         f"({'prefix affinity' if opts.prefix_affinity else 'default split'}); prefill "
-        f"{prompt - cached} tokens computed, {cached} cached",
+        f"{computed} tokens computed, {sink.cached_tokens} cached",
         file=sys.stderr,
     )
-    return 1 if failed else 0
+    return 1 if sink.failed else 0

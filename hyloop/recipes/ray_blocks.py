@@ -7,6 +7,7 @@ the rows themselves.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -18,13 +19,19 @@ import pyarrow as pa
 import ray
 import ray.data
 
+from hyloop.framework.sampling_params import SamplingParams
 from hyloop.models.tokenizer import TextTokenizer
 from hyloop.recipes.offline import PROMPT_FIELDS, SAMPLING_FIELDS, row_prompt
 from hyloop.recipes.prefix_shards import prefix_key
 
 ROW = "_hyloop_row"  # the row's index in the input dataset
 REQUEST = "_hyloop_request"  # a row's request fields as one JSON object text (the CLI's rows)
-INT_FIELDS = {"max_tokens", "top_k", "seed", "logprobs"}
+WHERE = "_hyloop_where"  # what a row's error names it by (the CLI's ``file:line``)
+INT_FIELDS = {  # the sampling fields that are ints (a numpy batch may hold them as floats)
+    f.name
+    for f in dataclasses.fields(SamplingParams)
+    if f.name in SAMPLING_FIELDS and str(f.type).split(" |")[0] == "int"
+}
 REQUEST_FIELDS = {*PROMPT_FIELDS, *SAMPLING_FIELDS}
 
 
@@ -105,13 +112,17 @@ def prefix_keys(
 
 
 @ray.remote
-def _split_block(table: pa.Table, part_of: np.ndarray, parts: int) -> list[pa.Table]:
+def _split_block(table: pa.Table, part_of: np.ndarray, parts: int) -> pa.Table | list[pa.Table]:
+    """The block's rows of each part: ``parts`` returns (with one, Ray stores the return value
+    itself as the one object, so that is the table, not a list holding it)."""
     part = part_of[table.column(ROW).to_numpy()]
-    return [table.filter(pa.array(part == p)) for p in range(parts)]
+    pieces = [table.filter(pa.array(part == p)) for p in range(parts)]
+    return pieces[0] if parts == 1 else pieces
 
 
 @ray.remote
 def _gather(position: np.ndarray | None, chunks: int, *pieces: pa.Table) -> Any:
+    """The part's pieces as ``chunks`` tables in run order (one: the table itself, as above)."""
     table = pa.concat_tables(pieces, promote_options="permissive")
     rows = table.column(ROW).to_numpy()
     table = table.take(pa.array(np.argsort(rows if position is None else position[rows])))
@@ -133,7 +144,7 @@ def regroup(
     part_ref = ray.put(part_of)
     pos_ref = ray.put(position)
     pieces = [_split_block.options(num_returns=parts).remote(b, part_ref, parts) for b in blocks]
-    if parts == 1:  # one return is a ref, not a list of them
+    if parts == 1:  # one return is a ref, not a list of them (the table, see _split_block)
         pieces = [[p] for p in pieces]
     out = []
     for k, n in enumerate(chunks):

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from hyloop.framework.config import EngineConfig
 from hyloop.framework.llm import LLM
-from hyloop.framework.requests import RequestOutput
+from hyloop.framework.outputs import RequestOutput
 from hyloop.tts.frame_step import FrameStep
 from hyloop.tts.params import TTSParams
 
@@ -149,8 +149,9 @@ class TTSEngine:
         st = self._streams.get(out.request_id)
         if st is None:
             return
-        new = out.rows or []
-        if out.finished and out.finish_reason == "stop" and new and new[-1][0] == self.end_id:
+        sample = out.outputs[0]
+        new = sample.rows or []
+        if out.finished and sample.finish_reason == "stop" and new and new[-1][0] == self.end_id:
             new = new[:-1]  # the end frame: not audio
         st.pending.extend(new)
         p = st.params
@@ -161,7 +162,7 @@ class TTSEngine:
             yield self._chunk(out.request_id, st, size, final=False, reason=None)
         if out.finished:
             del self._streams[out.request_id]
-            yield self._chunk(out.request_id, st, len(st.pending), True, out.finish_reason)
+            yield self._chunk(out.request_id, st, len(st.pending), True, sample.finish_reason)
 
     def _chunk(self, rid: str, st: _Stream, n: int, final: bool, reason: str | None) -> FrameChunk:
         rows = np.asarray(st.pending[:n], dtype=np.int64).reshape(n, self.channels)

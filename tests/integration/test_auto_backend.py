@@ -24,7 +24,7 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
 
 def ids(outs: list[Any]) -> list[list[int]]:
-    return [o.token_ids for o in outs]
+    return [o.outputs[0].token_ids for o in outs]
 
 
 @pytest.fixture(scope="module")

@@ -61,7 +61,9 @@ def test_200_steps_no_recompile_no_new_pool_memory(tiny_ckpts) -> None:
     with LLM(model=tiny_ckpts["llama"], overrides=overrides) as llm:
         eng = llm.engine
         warm = [list(range(3, 10 + i)) for i in range(5)]
-        llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        llm.generate(
+            warm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False
+        )
         runner = eng.graphs.runner
         captured = set(map(tuple, runner.stats()["captured"]))
         # First-use compiles are counted apart from the step times.
@@ -76,7 +78,9 @@ def test_200_steps_no_recompile_no_new_pool_memory(tiny_ckpts) -> None:
         while eng.stats()["decode_steps"] - steps0 < 200:
             while len(eng.scheduler.running) + len(eng.scheduler.waiting) < 5:
                 eng.add_request(
-                    f"r{i}", list(range(3, 8 + i % 9)), SamplingParams(max_tokens=2 + i % 11)
+                    f"r{i}",
+                    list(range(3, 8 + i % 9)),
+                    SamplingParams(temperature=0.0, max_tokens=2 + i % 11),
                 )
                 i += 1
             eng.step()

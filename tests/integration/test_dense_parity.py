@@ -53,13 +53,13 @@ def test_greedy_matches_transformers(
         outs = llm.generate(prompts, params, use_tqdm=False)
         llm.engine.check_invariants()
     for out, (ref_tokens, _), prompt in zip(outs, refs, prompts, strict=True):
-        assert out.token_ids == ref_tokens, f"prompt len {len(prompt)}"
-        assert out.finish_reason == "length"
+        assert out.outputs[0].token_ids == ref_tokens, f"prompt len {len(prompt)}"
+        assert out.outputs[0].finish_reason == "length"
     # Last-position logits of the prompt (the first sampled token's logits).
     with LLM(model=tiny_ckpts[arch], overrides=overrides) as llm:
         llm.engine.capture_logits = True
         for prompt, (_, ref_logits) in zip(prompts, refs, strict=True):
-            llm.engine.add_request("x", prompt, SamplingParams(max_tokens=1))
+            llm.engine.add_request("x", prompt, SamplingParams(temperature=0.0, max_tokens=1))
             req = llm.engine.request("x")
             while llm.engine.has_unfinished_requests():
                 llm.engine.step()

@@ -188,7 +188,7 @@ def run_timed(
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             wall += time.perf_counter() - t0
-            assert all(len(o.token_ids) == 12 for o in outs)
+            assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
         return llm.stats(), booked, wall
 
 
@@ -236,6 +236,6 @@ def test_summary_reports_device_time(tiny_ckpts: dict[str, Path]) -> None:
     with LLM(model=tiny_ckpts["llama"], overrides=["graphs.backend=eager"]) as llm:
         assert "device time" not in render_summary(llm)  # CPU: no events, no line
         llm.engine.recorder.clock = DeviceClock(torch.device("cpu"), event=HostEvent)
-        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)
+        llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
         line = next(ln for ln in render_summary(llm).splitlines() if ln.startswith("device time"))
         assert "decode busy" in line and "idle between steps" in line

@@ -37,7 +37,9 @@ def run(eng: Engine, during: Callable[[Engine], None] | None) -> list[tuple[int,
     """Step to the end; make ``user_calls`` between steps CALL_AT and CALL_AT + 1 (``during``
     None) or from another thread while step CALL_AT runs. Returns (step, output) pairs."""
     for rid, seed in (("a", 1), ("b", 2), ("c", 3)):
-        eng.add_request(rid, prompt(11 + seed, seed), SamplingParams(max_tokens=16, seed=seed))
+        eng.add_request(
+            rid, prompt(11 + seed, seed), SamplingParams(temperature=0.0, max_tokens=16, seed=seed)
+        )
     log: list[tuple[int, Any]] = []
     step = 0
     while eng.has_unfinished_requests():
@@ -45,7 +47,10 @@ def run(eng: Engine, during: Callable[[Engine], None] | None) -> list[tuple[int,
         if step == CALL_AT and during is not None:
             during(eng)
         for out in eng.step():
-            log.append((step, (out.request_id, out.token_ids, out.finished, out.finish_reason)))
+            sample = out.outputs[0]
+            log.append(
+                (step, (out.request_id, sample.token_ids, out.finished, sample.finish_reason))
+            )
         if step == CALL_AT:
             if during is None:
                 user_calls(eng)
@@ -99,18 +104,22 @@ def test_requests_added_from_a_thread_while_stepping(tiny_ckpts: dict[str, Path]
     n = 24
     with LLM(model=tiny_ckpts["llama"], overrides=overrides) as llm:
         eng = llm.engine
-        eng.add_request("r0", prompt(8, 100), SamplingParams(max_tokens=6))
+        eng.add_request("r0", prompt(8, 100), SamplingParams(temperature=0.0, max_tokens=6))
         errors: list[BaseException] = []
 
         def producer() -> None:
             try:
                 for i in range(1, n):
                     eng.add_request(
-                        f"r{i}", prompt(5 + i % 7, 100 + i), SamplingParams(max_tokens=6)
+                        f"r{i}",
+                        prompt(5 + i % 7, 100 + i),
+                        SamplingParams(temperature=0.0, max_tokens=6),
                     )
                     if i == 3:  # r3 needs several steps to finish: its id is still taken
                         with pytest.raises(ValueError, match="already in use"):
-                            eng.add_request("r3", [5, 6], SamplingParams(max_tokens=2))
+                            eng.add_request(
+                                "r3", [5, 6], SamplingParams(temperature=0.0, max_tokens=2)
+                            )
             except BaseException as e:  # reported on the main thread
                 errors.append(e)
 
@@ -133,13 +142,13 @@ def test_abort_then_reuse_the_id(tiny_ckpts: dict[str, Path], during: bool) -> N
     """``abort(x)`` then ``add_request(x)``: allowed between steps, and so during a step."""
     with LLM(model=tiny_ckpts["llama"], overrides=[*OVERRIDES, "lookahead.enable=true"]) as llm:
         eng = llm.engine
-        eng.add_request("x", prompt(9, 1), SamplingParams(max_tokens=20, seed=1))
+        eng.add_request("x", prompt(9, 1), SamplingParams(temperature=0.0, max_tokens=20, seed=1))
         for _ in range(3):
             eng.step()
 
         def calls(e: Engine) -> None:
             e.abort_request("x")
-            e.add_request("x", prompt(7, 2), SamplingParams(max_tokens=4, seed=2))
+            e.add_request("x", prompt(7, 2), SamplingParams(temperature=0.0, max_tokens=4, seed=2))
 
         if during:
             real = eng.pipeline.launch
@@ -159,7 +168,7 @@ def test_abort_then_reuse_the_id(tiny_ckpts: dict[str, Path], during: bool) -> N
         while eng.has_unfinished_requests():
             finished += [o for o in eng.step() if o.finished]
             eng.check_invariants()
-        assert [(o.request_id, o.finish_reason) for o in finished] == [
+        assert [(o.request_id, o.outputs[0].finish_reason) for o in finished] == [
             ("x", "abort"),
             ("x", "length"),
         ]

@@ -41,7 +41,7 @@ def llm(tiny_ckpts: dict[str, Path]) -> Iterator[LLM]:
 @pytest.fixture(scope="module")
 def reference(llm: LLM) -> dict[str, list[int]]:
     outs = llm.generate([p for p, _ in GOOD.values()], [s for _, s in GOOD.values()], False)
-    return {rid: o.token_ids for rid, o in zip(GOOD, outs, strict=True)}
+    return {rid: o.outputs[0].token_ids for rid, o in zip(GOOD, outs, strict=True)}
 
 
 def drain(llm: LLM) -> dict[str, Any]:
@@ -155,7 +155,7 @@ BAD_REQUESTS = [
     ([3, 4], SamplingParams(max_tokens=0), ["max_tokens", "0"]),
     ([3, 4], SamplingParams(temperature=-1.0), ["temperature", "-1.0"]),
     ([3, 4], SamplingParams(top_p=0.0), ["top_p", "0.0"]),
-    ([3, 4], SamplingParams(top_k=0), ["top_k", "0"]),
+    ([3, 4], SamplingParams(top_k=-2), ["top_k", "-2"]),
     ([3, 4], SamplingParams(logprobs=-2), ["logprobs", "-2"]),
     ([3, 4], SamplingParams(stop_token_ids=["x"]), ["stop_token_ids"]),  # type: ignore[list-item]
 ]
@@ -180,7 +180,7 @@ def test_bad_request_fails_alone(
     done = drain(llm)
     assert set(done) == set(GOOD)
     for rid in GOOD:
-        assert done[rid].token_ids == reference[rid], rid
+        assert done[rid].outputs[0].token_ids == reference[rid], rid
 
 
 @pytest.mark.parametrize(
@@ -206,7 +206,7 @@ def test_id_in_use_leaves_the_first_request_alone(
     llm.engine.step()
     with pytest.raises(ValueError, match="'A'.*in use"):
         llm.engine.add_request("A", [9, 9], SamplingParams())
-    assert drain(llm)["A"].token_ids == reference["A"]
+    assert drain(llm)["A"].outputs[0].token_ids == reference["A"]
 
 
 def test_generate_with_one_bad_prompt_leaves_no_trace(
@@ -219,15 +219,15 @@ def test_generate_with_one_bad_prompt_leaves_no_trace(
     llm.engine.check_invariants()
     assert llm.stats()["kv_free_tokens"] + llm.stats()["cache_evictable_tokens"] == free
     out = llm.generate([GOOD["A"][0]], GOOD["A"][1], use_tqdm=False)[0]
-    assert out.token_ids == reference["A"]
+    assert out.outputs[0].token_ids == reference["A"]
 
 
 # -- abort ---------------------------------------------------------------------------------------
 def test_abort_unknown_or_finished_is_a_noop(llm: LLM) -> None:
     llm.engine.abort_request("never-added")
-    llm.engine.add_request("short", [3, 4, 5], SamplingParams(max_tokens=1))
+    llm.engine.add_request("short", [3, 4, 5], SamplingParams(temperature=0.0, max_tokens=1))
     done = drain(llm)
-    assert done["short"].finish_reason == "length"
+    assert done["short"].outputs[0].finish_reason == "length"
     llm.engine.abort_request("short")
     assert llm.engine.step() == []
     llm.engine.check_invariants()
@@ -239,14 +239,14 @@ def test_abort_frees_the_request(
 ) -> None:
     eng = llm.engine
     victim = [60 + i + steps_before for i in range(30)]  # 4 prefill chunks of 8
-    eng.add_request("victim", victim, SamplingParams(max_tokens=30))
+    eng.add_request("victim", victim, SamplingParams(temperature=0.0, max_tokens=30))
     eng.add_request("A", *GOOD["A"])
     for _ in range(steps_before):
         eng.step()
     reclaimable = llm.stats()["kv_free_tokens"] + llm.stats()["cache_evictable_tokens"]
     eng.abort_request("victim")
     outs = eng.step()
-    assert [o.finish_reason for o in outs if o.request_id == "victim"] == ["abort"]
+    assert [o.outputs[0].finish_reason for o in outs if o.request_id == "victim"] == ["abort"]
     if steps_before:
         # Its reserved pages (prompt + 30 new tokens) are back: free, or unlocked in the tree.
         after = llm.stats()["kv_free_tokens"] + llm.stats()["cache_evictable_tokens"]
@@ -254,7 +254,7 @@ def test_abort_frees_the_request(
     eng.check_invariants()
     done = drain(llm)
     assert "victim" not in done  # its one output was returned above
-    assert done["A"].token_ids == reference["A"]
+    assert done["A"].outputs[0].token_ids == reference["A"]
     # Idle: every page is free or held, unlocked, by the tree.
     stats = llm.stats()
     assert stats["kv_free_tokens"] + stats["cache_evictable_tokens"] == stats["kv_capacity_tokens"]
@@ -266,7 +266,7 @@ def test_stop_token_ids_end_on_the_stop_token(llm: LLM, reference: dict[str, lis
     ref = reference["B"]
     i = next(i for i in range(2, len(ref)) if ref[i] not in ref[:i])
     stop = SamplingParams(**{**vars(sp), "stop_token_ids": [ref[i]]})
-    out = llm.generate([prompt], stop, use_tqdm=False)[0]
+    out = llm.generate([prompt], stop, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == ref[: i + 1]
     assert out.finish_reason == "stop"
 
@@ -277,7 +277,10 @@ def test_eos_stops_unless_ignored(llm: LLM) -> None:
         SamplingParams(temperature=1.5, seed=s, max_tokens=24, ignore_eos=True) for s in range(16)
     ]
     outs = llm.generate([[17, 18, 19]] * len(params), params, use_tqdm=False)
-    hits = [(p, o.token_ids) for p, o in zip(params, outs, strict=True) if eos in o.token_ids[:-1]]
+    samples = [o.outputs[0] for o in outs]
+    hits = [
+        (p, o.token_ids) for p, o in zip(params, samples, strict=True) if eos in o.token_ids[:-1]
+    ]
     assert hits, "no sampled eos among the seeds; pick more seeds"
     sp, ignored = hits[0]
     assert len(ignored) == 24  # ran past eos to max_tokens
@@ -285,13 +288,14 @@ def test_eos_stops_unless_ignored(llm: LLM) -> None:
         [[17, 18, 19]], SamplingParams(**{**vars(sp), "ignore_eos": False}), False
     )
     cut = ignored.index(eos) + 1
-    assert stopped[0].token_ids == ignored[:cut]
-    assert stopped[0].finish_reason == "stop"
+    assert stopped[0].outputs[0].token_ids == ignored[:cut]
+    assert stopped[0].outputs[0].finish_reason == "stop"
 
 
 def test_max_tokens_and_the_context_limit(llm: LLM) -> None:
     sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     long_prompt = [30] * (MAX_CONTEXT - 3)
     outs = llm.generate([[3, 4, 5], long_prompt], sp, use_tqdm=False)
-    assert [len(o.token_ids) for o in outs] == [5, 3]  # the second is clipped by the context
-    assert [o.finish_reason for o in outs] == ["length", "length"]
+    lengths = [len(o.outputs[0].token_ids) for o in outs]
+    assert lengths == [5, 3]  # the second is clipped by the context
+    assert [o.outputs[0].finish_reason for o in outs] == ["length", "length"]

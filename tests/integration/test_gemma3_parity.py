@@ -126,12 +126,12 @@ def test_greedy_matches_transformers(
         outs = llm.generate(prompts, params, use_tqdm=False)
         llm.engine.check_invariants()
         for out, (ref_tokens, _), prompt in zip(outs, refs, prompts, strict=True):
-            assert out.token_ids == ref_tokens, f"prompt len {len(prompt)}"
+            assert out.outputs[0].token_ids == ref_tokens, f"prompt len {len(prompt)}"
         if backend != "eager":
             return
         llm.engine.capture_logits = True
         for i, (prompt, (_, ref_logits)) in enumerate(zip(prompts, refs, strict=True)):
-            llm.engine.add_request(f"l{i}", prompt, SamplingParams(max_tokens=1))
+            llm.engine.add_request(f"l{i}", prompt, SamplingParams(temperature=0.0, max_tokens=1))
             req = llm.engine.request(f"l{i}")
             while llm.engine.has_unfinished_requests():
                 llm.engine.step()

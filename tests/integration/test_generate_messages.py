@@ -2,7 +2,8 @@
 
 A chat row must produce exactly the tokens of a ``prompt_token_ids`` row holding the chat-templated
 ids (from transformers on the same SmolLM2 GGUF file, and from the tokenizer on a tiny checkpoint);
-a model with no tokenizer or no chat template refuses the row, naming its line and the reason.
+a model with no tokenizer or no chat template fails the row alone (an error record naming its line
+and the reason; exit 1) while the other rows run.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from hyloop.cli import main
 
+GREEDY = {"temperature": 0.0}  # a row's default temperature is vLLM's, 1.0
 TINY_OVERRIDES = ["graphs.backend=eager", "kv_pool.num_pages=64", "model.max_context=64"]
 CHAT = [{"role": "user", "content": "hi there"}]
 WORDS = ["[UNK]", "<s>", "</s>", "hi", "there", "user", "system", "assistant", "be", "brief"]
@@ -43,17 +45,22 @@ def run_generate(
 
 
 def refusal(tmp_path: Path, model: Path, capsys: pytest.CaptureFixture[str]) -> str:
-    """Run two good rows and a chat row (line 3); the run must exit 2 and write nothing."""
-    rows = [{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7]}, {"messages": CHAT}]
+    """Run two good rows and a chat row (line 3): the chat row fails alone, exit 1."""
+    good = {"ignore_eos": True}  # the default max_tokens, 16, each
+    rows = [{"prompt_token_ids": [5, 6], **good}, {"prompt_token_ids": [7], **good}]
+    rows.append({"messages": CHAT})
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     dst = tmp_path / "out.jsonl"
     argv = ["generate", "--model", str(model), "--input", str(src), "--output", str(dst)]
-    assert main([*argv, "--no-progress", *TINY_OVERRIDES]) == 2
-    assert not dst.exists()
+    assert main([*argv, "--no-progress", *TINY_OVERRIDES]) == 1
+    out = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert [len(r["token_ids"]) for r in out[:2]] == [16, 16]
+    assert out[2] == {"messages": CHAT, "error": out[2]["error"]}
+    assert out[2]["error"].startswith(f"{src}:3: messages: ")
     err = capsys.readouterr().err
     assert f"{src}:3: messages:" in err
-    return err
+    return out[2]["error"]
 
 
 def with_tokenizer(tmp_path: Path, ckpt: Path, template: str | None) -> Path:
@@ -90,9 +97,10 @@ def test_chat_row_the_template_rejects_names_the_line(
     chat = [{"role": "system", "content": "be brief"}, *CHAT]
     src.write_text(json.dumps({"messages": CHAT}) + "\n" + json.dumps({"messages": chat}) + "\n")
     argv = ["generate", "--model", str(model), "--input", str(src), "--no-progress"]
-    assert main([*argv, *TINY_OVERRIDES]) == 2
-    err = capsys.readouterr().err
+    assert main([*argv, *TINY_OVERRIDES]) == 1  # no --output: errors on stderr
+    out, err = capsys.readouterr()
     assert f"{src}:2: messages:" in err and "must open with the user" in err
+    assert out.count(">>> ") == 1  # the first chat ran
 
 
 def test_chat_row_equals_its_templated_ids_on_a_tiny_checkpoint(
@@ -102,8 +110,8 @@ def test_chat_row_equals_its_templated_ids_on_a_tiny_checkpoint(
     # The template renders "user hi there assistant".
     templated = [WORDS.index(w) for w in ["user", "hi", "there", "assistant"]]
     rows = [
-        {"id": "chat", "messages": CHAT, "max_tokens": 6, "ignore_eos": True},
-        {"id": "ids", "prompt_token_ids": templated, "max_tokens": 6, "ignore_eos": True},
+        {"id": "chat", "messages": CHAT, "max_tokens": 6, "ignore_eos": True, **GREEDY},
+        {"id": "ids", "prompt_token_ids": templated, "max_tokens": 6, "ignore_eos": True, **GREEDY},
     ]
     chat, ids = run_generate(tmp_path, model, rows, TINY_OVERRIDES)
     assert chat["messages"] == CHAT  # input fields kept
@@ -133,8 +141,8 @@ def test_chat_row_equals_transformers_templated_ids_on_smollm2(tmp_path: Path) -
     for chat in chats:
         enc = hf_tok.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
         templated = list(enc["input_ids"] if isinstance(enc, Mapping) else enc)
-        rows.append({"messages": chat, "max_tokens": 6, "ignore_eos": True})
-        rows.append({"prompt_token_ids": templated, "max_tokens": 6, "ignore_eos": True})
+        rows.append({"messages": chat, "max_tokens": 6, "ignore_eos": True, **GREEDY})
+        rows.append({"prompt_token_ids": templated, "max_tokens": 6, "ignore_eos": True, **GREEDY})
     overrides = [
         "graphs.backend=eager",
         "model.max_context=256",

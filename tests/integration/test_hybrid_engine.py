@@ -39,12 +39,12 @@ def test_greedy_matches_transformers(hybrid_ckpts, arch: str) -> None:
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         llm.engine.check_invariants()
     for out, (tokens, _), p in zip(outs, refs, prompts, strict=True):
-        assert out.token_ids == tokens, f"prompt of {len(p)}"
+        assert out.outputs[0].token_ids == tokens, f"prompt of {len(p)}"
     # First-token logits, one request at a time (the engine keeps them per request).
     with LLM(model=hybrid_ckpts[arch], overrides=overrides) as llm:
         llm.engine.capture_logits = True
         for i, (p, (_, ref)) in enumerate(zip(prompts, refs, strict=True)):
-            llm.engine.add_request(f"r{i}", p, SamplingParams(max_tokens=1))
+            llm.engine.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=1))
             req = llm.engine.request(f"r{i}")
             while llm.engine.has_unfinished_requests():
                 llm.engine.step()
@@ -52,7 +52,9 @@ def test_greedy_matches_transformers(hybrid_ckpts, arch: str) -> None:
 
 
 def _run_one(llm: LLM, prompt: list[int], n: int) -> tuple[list[int], int, list[torch.Tensor]]:
-    llm.engine.add_request("q", prompt, SamplingParams(max_tokens=n, ignore_eos=True))
+    llm.engine.add_request(
+        "q", prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    )
     req = llm.engine.request("q")
     cached = None
     while llm.engine.has_unfinished_requests():
@@ -160,4 +162,4 @@ def test_randomized_workload_ledger(hybrid_ckpts, page_size: int) -> None:
         assert free + eng.cache.tree.total_size() == eng.cache.kv.capacity
         rec = eng.cache.recurrent
         assert rec.available_size() + eng.cache.tree.total_size("recurrent") == rec.capacity
-        assert any(o.finish_reason == "abort" for o in finished.values())
+        assert any(o.outputs[0].finish_reason == "abort" for o in finished.values())

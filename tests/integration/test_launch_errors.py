@@ -37,7 +37,9 @@ def test_a_failed_launch_is_abandoned_cleanly(
 
         graphs.run = execute  # type: ignore[method-assign]
         for i in range(3):
-            eng.add_request(f"r{i}", [5 + i, 6, 7, 8, 9], SamplingParams(max_tokens=8))
+            eng.add_request(
+                f"r{i}", [5 + i, 6, 7, 8, 9], SamplingParams(temperature=0.0, max_tokens=8)
+            )
         failed = 0
         done = set()
         while eng.has_unfinished_requests():
@@ -56,6 +58,8 @@ def test_a_failed_launch_is_abandoned_cleanly(
         eng.check_invariants()
         # The engine still serves: a new request runs to its end.
         out = llm.generate(
-            [[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False
+            [[5, 6, 7]],
+            SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+            use_tqdm=False,
         )
-        assert len(out[0].token_ids) == 4
+        assert len(out[0].outputs[0].token_ids) == 4

@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 import torch
 
-from hyloop import LLM, SamplingParams
+from hyloop import LLM, RequestOutput, SamplingParams
 from hyloop.framework.engine import Engine
-from hyloop.framework.requests import Batch, RequestOutput
+from hyloop.framework.requests import Batch
 
 EOS = 2
 
@@ -154,7 +154,7 @@ def run_pair(ckpt: Path, overrides: list[str], jobs: list[Job]) -> tuple[Run, Ru
 def assert_same_outputs(sync: Run, la: Run, jobs: list[Job]) -> None:
     assert sorted(sync.outputs) == sorted(la.outputs) == sorted(j.rid for j in jobs)
     for j in jobs:
-        a, b = sync.outputs[j.rid], la.outputs[j.rid]
+        a, b = sync.outputs[j.rid].outputs[0], la.outputs[j.rid].outputs[0]
         assert (b.token_ids, b.finish_reason) == (a.token_ids, a.finish_reason), j.rid
 
 
@@ -254,7 +254,7 @@ def tree_paths(eng: Engine) -> list[bytes]:
 
 def assert_outputs_respect_limits(jobs: list[Job], outputs: dict[str, RequestOutput]) -> None:
     for j in jobs:
-        out = outputs[j.rid]
+        out = outputs[j.rid].outputs[0]
         ids = out.token_ids
         stops = set(j.params.stop_token_ids or []) | (set() if j.params.ignore_eos else {EOS})
         assert len(ids) <= j.params.max_tokens, j.rid
@@ -270,7 +270,9 @@ def assert_outputs_respect_limits(jobs: list[Job], outputs: dict[str, RequestOut
 def assert_tree_holds_only_returned_tokens(eng: Engine, outputs: dict[str, RequestOutput]) -> None:
     """Every tree key is a prefix of some request's prompt + returned output: the token a
     finished request produced one step late (after a stop id or at max_tokens) is never there."""
-    seqs = [array("q", o.prompt_token_ids + o.token_ids).tobytes() for o in outputs.values()]
+    seqs = [
+        array("q", o.prompt_token_ids + o.outputs[0].token_ids).tobytes() for o in outputs.values()
+    ]
     paths = tree_paths(eng)
     assert paths, "the tree is empty: nothing was checked"
     for path in paths:
@@ -331,7 +333,7 @@ def test_stress_500_requests_dense(tiny_ckpts: dict[str, Path]) -> None:
         assert_tree_holds_only_returned_tokens(eng, run.outputs)
     assert len(run.outputs) == len(jobs)
     assert_outputs_respect_limits(jobs, run.outputs)
-    reasons = {o.finish_reason for o in run.outputs.values()}
+    reasons = {o.outputs[0].finish_reason for o in run.outputs.values()}
     assert reasons == {"stop", "length", "abort"}
     assert run.evicted_tokens > 0 and run.max_waiting_while_running > 0
 
@@ -375,7 +377,9 @@ EARLY_FREE = [
 
 def launch_decode(eng: Engine, n: int) -> None:
     for i in range(n):
-        eng.add_request(f"e{i}", rand_ids(6 + 5 * i, 40 + i), SamplingParams(max_tokens=30))
+        eng.add_request(
+            f"e{i}", rand_ids(6 + 5 * i, 40 + i), SamplingParams(temperature=0.0, max_tokens=30)
+        )
     for _ in range(10):
         eng.step()
         eng.check_invariants()
@@ -492,26 +496,29 @@ def test_hybrid_stop_then_extend_hits_an_exact_track_snapshot(
             if stop_id is None:
                 # A stop id the model really produces: the first new token from the 27th on,
                 # so turn 1 covers prompt + output past the boundary at 64.
-                probe = run_one(eng, "probe", turn1, greedy).token_ids
+                probe = run_one(eng, "probe", turn1, greedy).outputs[0].token_ids
                 k = next(i for i in range(26, len(probe)) if probe[i] not in probe[:i])
                 stop_id = probe[k]
             params = SamplingParams(
                 temperature=0.0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop_id]
             )
             out1 = run_one(eng, "t1", turn1, params)
-            assert out1.finish_reason == "stop" and out1.token_ids[-1] == stop_id
-            turn2 = turn1 + out1.token_ids + tail
-            out2 = run_one(eng, "t2", turn2, SamplingParams(max_tokens=8, ignore_eos=True))
+            sample1 = out1.outputs[0]
+            assert sample1.finish_reason == "stop" and sample1.token_ids[-1] == stop_id
+            turn2 = turn1 + sample1.token_ids + tail
+            out2 = run_one(
+                eng, "t2", turn2, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+            )
             results[(lookahead, cache)] = (out1, out2)
             ledger_is_closed(eng)
     ref1, ref2 = results[(False, False)]
     assert ref2.num_cached_tokens == 0
     for key in ((True, True), (False, True)):
         out1, out2 = results[key]
-        assert out1.token_ids == ref1.token_ids, key
-        assert out2.token_ids == ref2.token_ids, key
+        assert out1.outputs[0].token_ids == ref1.outputs[0].token_ids, key
+        assert out2.outputs[0].token_ids == ref2.outputs[0].token_ids, key
         # The hit ends on a track boundary inside turn 1's prompt + returned output.
-        end1 = len(turn1) + len(out1.token_ids)
+        end1 = len(turn1) + len(out1.outputs[0].token_ids)
         assert 0 < out2.num_cached_tokens <= end1 and out2.num_cached_tokens % TRACK == 0, key
         for a, b in zip(out2.logits, ref2.logits, strict=True):  # type: ignore[attr-defined]
             torch.testing.assert_close(a, b, atol=1e-4, rtol=0)

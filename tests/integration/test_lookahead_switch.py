@@ -26,14 +26,19 @@ def waves() -> list[list[list[int]]]:
 def test_switching_between_waves_keeps_outputs(tiny_ckpts: dict[str, Path]) -> None:
     params = SamplingParams(temperature=0.8, seed=3, max_tokens=10, stop_token_ids=[40])
     with LLM(model=tiny_ckpts["llama"], overrides=[*OVERRIDES, "lookahead.enable=false"]) as ref:
-        expected = [[o.token_ids for o in ref.generate(p, params, use_tqdm=False)] for p in waves()]
+        expected = [
+            [o.outputs[0].token_ids for o in ref.generate(p, params, use_tqdm=False)]
+            for p in waves()
+        ]
     with LLM(model=tiny_ckpts["llama"], overrides=[*OVERRIDES, "lookahead.enable=false"]) as llm:
         got = []
         for w, prompts in enumerate(waves()):
             llm.engine.set_lookahead(w % 2 == 0)
             assert llm.engine.lookahead_enabled == (w % 2 == 0)
             hidden = llm.stats().get("lookahead_hidden_host_s", 0.0)
-            got.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+            got.append(
+                [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            )
             ran = llm.stats().get("lookahead_hidden_host_s", 0.0) > hidden
             assert ran == (w % 2 == 0)  # the thread resolved steps exactly when on
             llm.engine.check_invariants()
@@ -50,7 +55,7 @@ def test_switching_at_random_steps_mid_run(tiny_ckpts: dict[str, Path]) -> None:
     ]
     prompts = [[7, 9, 11, 13, 15, 17][: rng.randint(1, 6)] + [20 + i] for i in range(12)]
     with LLM(model=tiny_ckpts["llama"], overrides=[*OVERRIDES, "lookahead.enable=false"]) as ref:
-        expected = [o.token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
+        expected = [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
     with LLM(model=tiny_ckpts["llama"], overrides=[*OVERRIDES, "lookahead.enable=false"]) as llm:
         eng = llm.engine
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
@@ -66,7 +71,7 @@ def test_switching_at_random_steps_mid_run(tiny_ckpts: dict[str, Path]) -> None:
                 refused += 1
             for out in eng.step():
                 if out.finished:
-                    done[out.request_id] = out.token_ids
+                    done[out.request_id] = out.outputs[0].token_ids
             eng.check_invariants()
             steps += 1
             assert steps < 2000, "no progress"
@@ -77,7 +82,9 @@ def test_switching_at_random_steps_mid_run(tiny_ckpts: dict[str, Path]) -> None:
 def test_switch_refused_while_a_step_is_in_flight(tiny_ckpts: dict[str, Path]) -> None:
     with LLM(model=tiny_ckpts["llama"], overrides=[*OVERRIDES, "lookahead.enable=true"]) as llm:
         eng = llm.engine
-        eng.add_request("a", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
+        eng.add_request(
+            "a", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        )
         for _ in range(10):
             if eng.pipeline.unresolved():
                 break
@@ -94,7 +101,7 @@ def _resolve_threads() -> list[threading.Thread]:
 
 def test_switching_back_on_reuses_the_parked_thread(tiny_ckpts: dict[str, Path]) -> None:
     before = set(_resolve_threads())
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     with LLM(model=tiny_ckpts["llama"], overrides=[*OVERRIDES, "lookahead.enable=true"]) as llm:
         llm.generate([[5, 6, 7], [8, 9]], params, use_tqdm=False)
         first = set(_resolve_threads()) - before

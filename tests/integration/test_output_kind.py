@@ -6,13 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from hyloop import LLM, SamplingParams
-from hyloop.framework.requests import RequestOutput
+from hyloop import LLM, RequestOutput, SamplingParams
 
 
 def drive(llm: LLM, kind: str) -> list[RequestOutput]:
     eng = llm.engine
-    params = SamplingParams(max_tokens=6, ignore_eos=True, output_kind=kind)  # type: ignore[arg-type]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, output_kind=kind)  # type: ignore[arg-type]
     eng.add_request("a", [5, 6, 7], params)
     eng.add_request("b", [9, 10], params)
     outs: list[RequestOutput] = []
@@ -35,9 +34,10 @@ def test_final_only_returns_the_same_finals_and_nothing_else(
     assert running, "cumulative outputs stream while running"
     for o in running:  # each streamed output holds the tokens so far
         final = next(f for f in streamed if f.finished and f.request_id == o.request_id)
-        assert final.token_ids[: len(o.token_ids)] == o.token_ids
-    by_id = {o.request_id: o.token_ids for o in streamed if o.finished}
-    assert {o.request_id: o.token_ids for o in finals} == by_id
+        ids = o.outputs[0].token_ids
+        assert final.outputs[0].token_ids[: len(ids)] == ids
+    by_id = {o.request_id: o.outputs[0].token_ids for o in streamed if o.finished}
+    assert {o.request_id: o.outputs[0].token_ids for o in finals} == by_id
 
 
 def test_output_kind_is_validated(tiny_ckpts: dict[str, Path]) -> None:

@@ -144,7 +144,7 @@ def test_forced_collisions_change_nothing(tiny_ckpts) -> None:
             llm.generate(register, ONE, use_tqdm=False)
             outs = llm.generate(queries, params, use_tqdm=False)
             llm.engine.check_invariants()
-            runs.append([(o.num_reused_tokens, o.token_ids) for o in outs])
+            runs.append([(o.num_reused_tokens, o.outputs[0].token_ids) for o in outs])
     assert runs[0] == runs[1]
     assert runs[0][0][0] > 700 and runs[0][1][0] > 700 and runs[0][2][0] == 0
 

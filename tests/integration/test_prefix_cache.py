@@ -36,7 +36,7 @@ def test_shared_prefix_is_computed_once(tiny_ckpts, page_size: int) -> None:
             llm.engine.check_invariants()
             runs[enable] = (outs, llm.stats())
     (on, stats_on), (off, stats_off) = runs[True], runs[False]
-    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
     unique = PREFIX + sum(len(p) - PREFIX for p in prompts)
     assert stats_on["prefill_tokens_computed"] <= unique + N * page_size
     assert stats_off["prefill_tokens_computed"] == sum(len(p) for p in prompts)
@@ -56,11 +56,12 @@ def test_multi_turn_reuses_the_whole_conversation(tiny_ckpts) -> None:
         model=tiny_ckpts["qwen3"], overrides=["graphs.backend=eager", "kv_pool.page_size=1"]
     ) as llm:
         out1 = llm.generate([turn1], params, use_tqdm=False)[0]
-        turn2 = turn1 + out1.token_ids + [5, 6, 7]
+        turn2 = turn1 + out1.outputs[0].token_ids + [5, 6, 7]
         out2 = llm.generate([turn2], params, use_tqdm=False)[0]
         llm.engine.check_invariants()
-        assert out2.num_cached_tokens == len(turn1) + len(out1.token_ids) - 1
+        assert out2.num_cached_tokens == len(turn1) + len(out1.outputs[0].token_ids) - 1
     with LLM(
         model=tiny_ckpts["qwen3"], overrides=["graphs.backend=eager", "cache.enable=false"]
     ) as llm:
-        assert llm.generate([turn2], params, use_tqdm=False)[0].token_ids == out2.token_ids
+        again = llm.generate([turn2], params, use_tqdm=False)[0]
+        assert again.outputs[0].token_ids == out2.outputs[0].token_ids

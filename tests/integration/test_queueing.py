@@ -66,7 +66,7 @@ def reference(tiny_ckpts: dict[str, Path], cache_enable: bool) -> list[list[int]
     reqs = workload()
     with LLM(model=tiny_ckpts["llama"], overrides=overrides) as llm:
         outs = llm.generate([p for p, _ in reqs], [s for _, s in reqs], use_tqdm=False)
-    return [o.token_ids for o in outs]
+    return [o.outputs[0].token_ids for o in outs]
 
 
 # Every 7th request is aborted at some step: while waiting, prefilling or decoding.
@@ -152,7 +152,7 @@ def test_all_requests_complete_with_the_large_pool_tokens(
     done = ran(queued_run)["done"]
     assert sorted(done) == sorted(f"q{i}" for i in range(NUM_REQUESTS))
     for i, (_, sp) in enumerate(workload()):
-        out = done[f"q{i}"]
+        out = done[f"q{i}"].outputs[0]
         assert out.finish_reason == "length"
         assert len(out.token_ids) == sp.max_tokens
         assert out.token_ids == reference[i], f"request q{i}"
@@ -187,12 +187,13 @@ def test_aborts_under_pressure_harm_no_other_request(
     aborted = {rid for rids in ABORTS.values() for rid in rids}
     for i in range(NUM_REQUESTS):
         out = done[f"q{i}"]
-        if out.finish_reason == "abort":
+        sample = out.outputs[0]
+        if sample.finish_reason == "abort":
             assert out.request_id in aborted
-            assert out.token_ids == reference[i][: len(out.token_ids)]
+            assert sample.token_ids == reference[i][: len(sample.token_ids)]
         else:
-            assert out.token_ids == reference[i], f"request q{i}"
-    assert sum(o.finish_reason == "abort" for o in done.values()) >= 3
+            assert sample.token_ids == reference[i], f"request q{i}"
+    assert sum(o.outputs[0].finish_reason == "abort" for o in done.values()) >= 3
     stats = aborted_run["stats"]
     assert stats["kv_free_tokens"] + stats["cache_evictable_tokens"] == stats["kv_capacity_tokens"]
 
@@ -211,11 +212,13 @@ def test_admission_never_evicts_its_own_prefix_hit(tiny_ckpts: dict[str, Path]) 
     prefix = list(range(100, 132))
     with LLM(model=tiny_ckpts["llama"], overrides=overrides) as llm:
         eng = llm.engine
-        llm.generate([prefix], SamplingParams(max_tokens=1), use_tqdm=False)
+        llm.generate([prefix], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
         assert llm.stats()["cache_evictable_tokens"] == 32
-        eng.add_request("running", [7] * 8, SamplingParams(max_tokens=8, ignore_eos=True))
+        eng.add_request(
+            "running", [7] * 8, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        )
         eng.step()
-        long = SamplingParams(max_tokens=31, ignore_eos=True)
+        long = SamplingParams(temperature=0.0, max_tokens=31, ignore_eos=True)
         eng.add_request("extends", [*prefix, 5], long)
         done = {}
         while eng.has_unfinished_requests():
@@ -223,5 +226,5 @@ def test_admission_never_evicts_its_own_prefix_hit(tiny_ckpts: dict[str, Path]) 
             eng.check_invariants()
         assert done["extends"].num_cached_tokens == 32
     with LLM(model=tiny_ckpts["llama"], overrides=[*overrides, "cache.enable=false"]) as ref:
-        want = ref.generate([[*prefix, 5]], long, use_tqdm=False)[0].token_ids
-    assert done["extends"].token_ids == want
+        want = ref.generate([[*prefix, 5]], long, use_tqdm=False)[0].outputs[0].token_ids
+    assert done["extends"].outputs[0].token_ids == want

@@ -1,6 +1,7 @@
 """Offline batches through Ray Data: outputs equal the local path's in input order, prefix
 affinity computes each shared prefix once, a killed replica is restarted with every row exactly
-once, and a bad row fails alone naming its index."""
+once, a bad row fails alone naming its index, and ``hyloop generate --ray N`` writes what the
+local run writes, for any N."""
 
 from __future__ import annotations
 
@@ -77,6 +78,7 @@ def tenant_rows(interleaved: bool) -> list[dict[str, Any]]:
             "prompt_token_ids": heads[t] + rng.integers(3, 256, 4 + n % 5).tolist(),
             "max_tokens": 6,
             "ignore_eos": True,
+            "temperature": 0.0,  # greedy (a row's default is vLLM's 1.0)
         }
         if n % 2:
             row.update(temperature=0.8, seed=100 + n)
@@ -90,13 +92,13 @@ def local_tokens(ckpt: Path, rows: list[dict[str, Any]]) -> list[list[int]]:
             SamplingParams(
                 max_tokens=r["max_tokens"],
                 ignore_eos=r["ignore_eos"],
-                temperature=r.get("temperature", 0.0),
+                temperature=r["temperature"],
                 seed=r.get("seed"),
             )
             for r in rows
         ]
         outs = llm.generate([r["prompt_token_ids"] for r in rows], params, use_tqdm=False)
-    return [o.token_ids for o in outs]
+    return [o.outputs[0].token_ids for o in outs]
 
 
 def prefill_computed(out: list[dict[str, Any]]) -> int:
@@ -206,10 +208,10 @@ def test_replica_fails_bad_rows_alone(tiny_ckpts: dict[str, Path]) -> None:
     with LLM(config=replica.llm.config) as llm:
         want = llm.generate(
             [[5, 6, 7], [8, 9]],
-            [replace(d, max_tokens=3), replace(d, temperature=0.7, seed=7)],
+            [replace(d, max_tokens=3, temperature=0.0), replace(d, temperature=0.7, seed=7)],
             use_tqdm=False,
         )
-    assert [list(t) for t in out["token_ids"][:2]] == [w.token_ids for w in want]
+    assert [list(t) for t in out["token_ids"][:2]] == [w.outputs[0].token_ids for w in want]
     replica.llm.close()
 
 
@@ -258,23 +260,66 @@ def test_killed_replica_is_restarted_and_every_row_comes_out_once(
     assert sorted(done) == list(range(len(rows)))  # every row exactly once
 
 
-def test_cli_ray_writes_rows_in_input_order(
-    tiny_ckpts: dict[str, Path], tmp_path: Path, local_ray: None, capsys: pytest.CaptureFixture[str]
+def cli_rows() -> list[dict[str, Any]]:
+    """Greedy and seeded rows, one with logprobs, one left to the defaults but for its seed,
+    and bad ones: a structural error (line 4) and one only the model finds (line 7)."""
+    rows = [{"id": r.pop("tenant"), **r} for r in tenant_rows(interleaved=True)[:8]]
+    rows[1].update(logprobs=2)
+    rows[3] = {"id": "typo", "prompt_token_ids": [5, 6], "temprature": 0.5}
+    rows[6] = {"id": "vocab", "prompt_token_ids": [1, 999]}
+    rows.append({"id": "defaults", "prompt_token_ids": [7, 8, 9], "seed": 3})  # 16 tokens
+    return rows
+
+
+def run_cli(src: Path, dst: Path, ckpt: Path, replicas: int | None) -> list[dict[str, Any]]:
+    argv = ["generate", "--model", str(ckpt), "--input", str(src), "--output", str(dst)]
+    argv += ["--ray", str(replicas), *RAY] if replicas else []
+    assert main([*argv, "--no-progress", *ENGINE]) == 1  # two rows failed
+    return [json.loads(line) for line in dst.read_text().splitlines()]
+
+
+def same_record(got: dict[str, Any], want: dict[str, Any]) -> None:
+    """Equal but for what depends on placement: prefix-cache hits, and logprobs to float noise."""
+    assert got.keys() == want.keys()
+    for key in got.keys() - {"num_cached_tokens", "logprobs", "cumulative_logprob"}:
+        assert got[key] == want[key], key
+    if "logprobs" in want:
+        assert got["cumulative_logprob"] == pytest.approx(want["cumulative_logprob"], abs=1e-4)
+        for g, w in zip(got["logprobs"], want["logprobs"], strict=True):
+            assert [{**e, "logprob": pytest.approx(e["logprob"], abs=1e-4)} for e in w] == g
+
+
+@pytest.fixture(scope="module")
+def cli_input(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    src = tmp_path_factory.mktemp("cli") / "in.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in cli_rows()))
+    return src
+
+
+@pytest.fixture(scope="module")
+def local_records(tiny_ckpts: dict[str, Path], cli_input: Path) -> list[dict[str, Any]]:
+    return run_cli(cli_input, cli_input.with_name("local.jsonl"), tiny_ckpts["llama"], None)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_cli_ray_writes_what_the_local_run_writes(
+    tiny_ckpts: dict[str, Path],
+    tmp_path: Path,
+    local_ray: None,
+    capsys: pytest.CaptureFixture[str],
+    cli_input: Path,
+    local_records: list[dict[str, Any]],
+    replicas: int,
 ) -> None:
-    ckpt = tiny_ckpts["llama"]
-    rows = [{"id": r.pop("tenant"), **r} for r in tenant_rows(interleaved=True)[:10]]
-    rows[4] = {"id": "bad", "prompt_token_ids": [1, 999]}
-    src = tmp_path / "in.jsonl"
-    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    dst = tmp_path / "out.jsonl"
-    argv = ["generate", "--ray", "2", "--model", str(ckpt), "--input", str(src)]
-    code = main([*argv, "--output", str(dst), "--no-progress", *ENGINE, *RAY])
-    err = capsys.readouterr().err
-    assert code == 1, err  # one row failed; the rest are written
-    assert f"{src}:5: row 4: " in err and "999" in err
-    out = [json.loads(line) for line in dst.read_text().splitlines()]
+    """``--ray 1`` and ``--ray 2`` write the local run's records: fields, order, errors."""
+    capsys.readouterr()
+    out = run_cli(cli_input, tmp_path / "out.jsonl", tiny_ckpts["llama"], replicas)
+    err, src = capsys.readouterr().err, cli_input
+    rows = cli_rows()
     assert [r["id"] for r in out] == [r["id"] for r in rows]  # input order, fields kept
-    assert out[4]["finish_reason"] == "error" and "999" in out[4]["error"]
-    good = [r for i, r in enumerate(rows) if i != 4]
-    want = local_tokens(ckpt, good)
-    assert [r["token_ids"] for i, r in enumerate(out) if i != 4] == want
+    assert out[3]["error"].startswith(f"{src}:4: unknown fields ['temprature']")
+    assert out[6]["error"] == f"{src}:7: prompt_token_ids: token id 999 outside the vocab [0, 256)"
+    assert f"hyloop: error: {src}:4: " in err and f"hyloop: error: {src}:7: " in err
+    assert len(out[1]["logprobs"]) == 6 and len(out[-1]["token_ids"]) <= 16
+    for got, want in zip(out, local_records, strict=True):
+        same_record(got, want)

@@ -47,7 +47,7 @@ def eager_outputs(row_ckpt):
 
 def test_rows_and_keys(eager_outputs) -> None:
     _, outs = eager_outputs
-    for out in outs:
+    for out in (o.outputs[0] for o in outs):
         assert out.rows is not None and len(out.rows) == len(out.token_ids)
         assert all(len(r) == 4 for r in out.rows)
         assert out.token_ids == [horner_key(r) for r in out.rows]
@@ -69,20 +69,24 @@ def test_compiled_and_lookahead_equal_eager(row_ckpt, eager_outputs, lookahead: 
         llm.engine.check_invariants()
         assert llm.stats()["graph_replays"] > 0
         assert llm.stats()["recompiles"] == 0
-    assert [o.rows for o in outs] == [o.rows for o in ref]
+    assert [o.outputs[0].rows for o in outs] == [o.outputs[0].rows for o in ref]
 
 
 def test_prompt_rows_hit_the_cache(row_ckpt) -> None:
     turn1 = rand_rows(20, 50)
     with LLM(model=row_ckpt, overrides=["graphs.backend=eager", "kv_pool.page_size=1"]) as llm:
-        out1 = llm.generate([turn1], SamplingParams(max_tokens=6), use_tqdm=False)[0]
-        turn2 = turn1 + out1.rows + [[5, 1, 1, 1]]
-        out2 = llm.generate([turn2], SamplingParams(max_tokens=4), use_tqdm=False)[0]
+        out1 = llm.generate([turn1], SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)[
+            0
+        ]
+        turn2 = turn1 + out1.outputs[0].rows + [[5, 1, 1, 1]]
+        out2 = llm.generate([turn2], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)[
+            0
+        ]
         llm.engine.check_invariants()
     # One key for a row however it arrives: a follow-up that re-sends turn 1's output as prompt
     # rows reuses turn 1's prompt and every generated row turn 1 computed (all but its last,
     # which was sampled and never fed back).
-    assert out2.num_cached_tokens == len(turn1) + len(out1.rows) - 1
+    assert out2.num_cached_tokens == len(turn1) + len(out1.outputs[0].rows) - 1
 
 
 def test_bad_rows_fail_alone(row_ckpt) -> None:
@@ -91,6 +95,8 @@ def test_bad_rows_fail_alone(row_ckpt) -> None:
             llm.engine.add_request("bad", [[3, 0, 40, 0]], SamplingParams())
         with pytest.raises(ValueError, match=r"expected \[L, 4\]"):
             llm.engine.add_request("bad2", [[3, 0, 0]], SamplingParams())
-        out = llm.generate([rand_rows(4, 1)], SamplingParams(max_tokens=3), use_tqdm=False)[0]
-        assert len(out.rows) == 3
+        out = llm.generate(
+            [rand_rows(4, 1)], SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False
+        )[0]
+        assert len(out.outputs[0].rows) == 3
         llm.engine.check_invariants()

@@ -103,7 +103,7 @@ def histogram(llm: LLM, **params: float | int) -> torch.Tensor:
 def _sample_histogram(llm: LLM, **params: float | int) -> torch.Tensor:
     sps = [SamplingParams(max_tokens=1, seed=s, **params) for s in range(NUM_SAMPLES)]
     outs = llm.generate([STAT_PROMPT] * NUM_SAMPLES, sps, use_tqdm=False)
-    counts = Counter(o.token_ids[0] for o in outs)
+    counts = Counter(o.outputs[0].token_ids[0] for o in outs)
     hist = torch.zeros(SMALL_VOCAB)
     for tok, n in counts.items():
         hist[tok] = n
@@ -140,7 +140,7 @@ def test_greedy_rows_beside_sampled_rows_follow_transformers(
         with torch.no_grad():
             for _ in range(10):
                 ids.append(int(hf_llama(torch.tensor([ids])).logits[0, -1].argmax()))
-        assert outs[i].token_ids == ids[len(prompts[i]) :], f"prompt {i}"
+        assert outs[i].outputs[0].token_ids == ids[len(prompts[i]) :], f"prompt {i}"
 
 
 # -- seeds and batch invariance ------------------------------------------------------------------
@@ -162,18 +162,18 @@ def _others(n: int) -> tuple[list[list[int]], list[SamplingParams]]:
 
 
 def test_same_seed_same_tokens_whatever_the_batch(llm: LLM) -> None:
-    alone = llm.generate([TARGET_PROMPT], TARGET, use_tqdm=False)[0].token_ids
+    alone = llm.generate([TARGET_PROMPT], TARGET, use_tqdm=False)[0].outputs[0].token_ids
     assert len(alone) == 12
     for n, where in [(1, 0), (3, 3), (9, 9)]:
         prompts, params = _others(n)
         prompts.insert(where, TARGET_PROMPT)
         params.insert(where, TARGET)
         outs = llm.generate(prompts, params, use_tqdm=False)
-        assert outs[where].token_ids == alone, f"batch of {n + 1}, target at {where}"
+        assert outs[where].outputs[0].token_ids == alone, f"batch of {n + 1}, target at {where}"
 
 
 def test_same_seed_same_tokens_when_joining_midflight(llm: LLM) -> None:
-    alone = llm.generate([TARGET_PROMPT], TARGET, use_tqdm=False)[0].token_ids
+    alone = llm.generate([TARGET_PROMPT], TARGET, use_tqdm=False)[0].outputs[0].token_ids
     eng = llm.engine
     prompts, params = _others(5)
     for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
@@ -185,26 +185,28 @@ def test_same_seed_same_tokens_when_joining_midflight(llm: LLM) -> None:
     done = {}
     while eng.has_unfinished_requests():
         done.update({o.request_id: o for o in eng.step() if o.finished})
-    assert done["mid-target"].token_ids == alone
-    assert done["mid-twin"].token_ids == alone
+    assert done["mid-target"].outputs[0].token_ids == alone
+    assert done["mid-twin"].outputs[0].token_ids == alone
 
 
 def test_same_seed_same_tokens_under_lookahead(llm: LLM, tiny_ckpts: dict[str, Path]) -> None:
-    alone = llm.generate([TARGET_PROMPT], TARGET, use_tqdm=False)[0].token_ids
+    alone = llm.generate([TARGET_PROMPT], TARGET, use_tqdm=False)[0].outputs[0].token_ids
     prompts, params = _others(6)
     prompts.insert(2, TARGET_PROMPT)
     params.insert(2, TARGET)
-    plain = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     overrides = [*LLM_OVERRIDES, "lookahead.enable=true", "lookahead.min_batch=1"]
     with LLM(model=tiny_ckpts["llama"], overrides=overrides) as ahead:
-        assert [o.token_ids for o in ahead.generate(prompts, params, use_tqdm=False)] == plain
+        assert [
+            o.outputs[0].token_ids for o in ahead.generate(prompts, params, use_tqdm=False)
+        ] == plain
     assert plain[2] == alone
 
 
 def test_different_seeds_differ(llm: LLM) -> None:
     params = [SamplingParams(temperature=1.0, max_tokens=8, seed=s) for s in range(8)]
     outs = llm.generate([TARGET_PROMPT] * 8, params, use_tqdm=False)
-    assert len({tuple(o.token_ids) for o in outs}) == 8
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 8
 
 
 # -- temperature / top-k / top-p statistics -----------------------------------------------------
@@ -283,7 +285,7 @@ def test_logprobs_are_log_softmax_of_transformers_logits(
 ) -> None:
     prompt = [3, 14, 15, 92, 65, 35]
     sp = SamplingParams(temperature=1.0, max_tokens=6, seed=7, logprobs=k, ignore_eos=True)
-    out = llm.generate([prompt], sp, use_tqdm=False)[0]
+    out = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
     assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids) == 6
     with torch.no_grad():
         logits = hf_llama(torch.tensor([prompt + out.token_ids])).logits[0]
@@ -293,9 +295,11 @@ def test_logprobs_are_log_softmax_of_transformers_logits(
         assert set(ref[pos].topk(k).indices.tolist()) <= set(entry)
         assert len(entry) in (k, k + 1)
         for tid, lp in entry.items():
-            assert abs(lp - float(ref[pos, tid])) < 1e-4, f"position {pos}, token {tid}"
+            assert abs(lp.logprob - float(ref[pos, tid])) < 1e-4, f"position {pos}, token {tid}"
 
 
 def test_no_logprobs_unless_asked(llm: LLM) -> None:
-    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert out.logprobs is None

@@ -44,7 +44,7 @@ def run(llm: LLM, prompt: list[int]) -> tuple[list[int], int]:
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     out = llm.generate([prompt], params, use_tqdm=False)[0]
     llm.engine.check_invariants()
-    return out.token_ids, out.num_cached_tokens
+    return out.outputs[0].token_ids, out.num_cached_tokens
 
 
 def rand_ids(n: int, seed: int) -> list[int]:
@@ -187,8 +187,8 @@ def test_cuda_graph_equals_eager_with_the_window_pool_and_cache(ckpt: Path, page
         ]
         ov = [o for o in overrides(page_size, True, *extra) if not o.startswith("graphs.backend")]
         with LLM(model=ckpt, overrides=[*ov, f"graphs.backend={backend}"]) as llm:
-            first = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-            second = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            first = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            second = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
             llm.engine.check_invariants()
             stats = llm.engine.stats()
         assert first == second and stats["cached_tokens"] > 0

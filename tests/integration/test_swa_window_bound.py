@@ -80,7 +80,7 @@ def test_sliding_kv_stays_within_the_window(
     assert peak_decode >= WINDOW  # the window was really held, not skipped
     assert all(len(out) == new_tokens for out in pooled)
     with LLM(model=ckpt, overrides=overrides(page_size, False, False)) as llm:
-        full = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        full = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert llm.engine.cache.windows is None
     assert pooled == full
 
@@ -114,5 +114,5 @@ def test_reservations_follow_the_requests_own_chunk_and_shrink_when_decoding(ckp
     assert running[0] == 3  # three prefill reservations of 23 fit, a fourth does not
     assert max(running) == 4  # decoding reservations of 20 made room for the fourth
     with LLM(model=ckpt, overrides=overrides(1, False, False)) as llm:
-        full = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        full = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert pooled == full

@@ -93,9 +93,8 @@ class GGUFCheckpoint:
 
 
 class _ArrayReader(GGUFReader):
-    """``GGUFReader`` over a plain ndarray view of its memory map (same bytes, no copy): it slices
-    its buffer once per metadata value, and on an ``np.memmap`` each slice's ``__getitem__`` and
-    ``__array_finalize__`` dominated parsing a tokenizer's vocabulary and merges."""
+    """``GGUFReader`` over a plain ndarray view of its memory map (no copy): slicing an
+    ``np.memmap`` per metadata value dominated parsing a tokenizer's vocabulary."""
 
     def _get(self, *args: Any, **kwargs: Any) -> Any:
         if type(self.data) is np.memmap:
@@ -111,7 +110,13 @@ def _open(path: str | os.PathLike[str]) -> GGUFReader:
     try:
         return reader(path)
     except Exception as exc:  # the reader parses untrusted bytes; any failure means a bad file
-        raise ValueError(f"{where} is not a readable GGUF file: {exc}") from exc
+        with open(path, "rb") as fh:
+            if fh.read(4) != b"GGUF":
+                raise ValueError(f"{where} is not a GGUF file (no b'GGUF' magic)") from exc
+        raise ValueError(
+            f"{where} ({os.path.getsize(path)} bytes) is truncated or corrupt (an interrupted "
+            f"download or copy?); the reader said: {exc}"
+        ) from exc
 
 
 def read_gguf_file_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -131,9 +136,7 @@ def _meta_int(meta: dict[str, Any], key: str, default: int | None = None) -> int
     if isinstance(value, list):
         # Some converters write per-layer lists; hyloop's dense models need one value.
         if len(set(value)) != 1:
-            raise ValueError(
-                f"GGUF metadata {key!r} is {value!r}; expected one value for all layers"
-            )
+            raise ValueError(f"GGUF metadata {key!r} is {value!r}; expected one for all layers")
         value = value[0]
     return int(value)
 
@@ -173,10 +176,7 @@ def _build_config(meta: dict[str, Any], arch: str, vocab_size: int, tied: bool) 
     head_dim = _meta_int(meta, f"{arch}.attention.key_length", hidden // heads)
     rope_dim = meta.get(f"{arch}.rope.dimension_count")
     if rope_dim is not None and int(rope_dim) != head_dim:
-        raise ValueError(
-            f"GGUF metadata {arch}.rope.dimension_count is {rope_dim}; expected head_dim "
-            f"{head_dim} (partial rotary is not supported)"
-        )
+        raise ValueError(f"GGUF {arch}.rope.dimension_count {rope_dim} != head_dim {head_dim}")
     eps_key = f"{arch}.attention.layer_norm_rms_epsilon"
     if eps_key not in meta:
         raise ValueError(f"GGUF metadata lacks {eps_key!r}; expected a float")

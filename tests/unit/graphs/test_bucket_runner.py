@@ -60,7 +60,7 @@ class ToyPools:
         kv = ints(1 + MAX_REQS * MAX_CTX, DIM)
         tensors = (kv, table, ints(VOCAB, DIM), ints(DIM, VOCAB, lo=-2, hi=3))
         kv, table, emb, w = (t.to(device) for t in tensors)
-        sampling = TokenSampling.allocate(MAX_REQS + 1, device)
+        sampling = TokenSampling.allocate(MAX_REQS + 1, device, vocab=VOCAB)
         return cls(kv, table, emb, w, token_hashes(VOCAB, device), sampling)
 
     def step_pools(self) -> StepPools:
@@ -137,6 +137,7 @@ def make_inputs(
         state_slots=torch.zeros(n, **i64),
         track_slots=torch.zeros(n, **i64),
         out_pos=torch.randint(0, 100, (n,), generator=g).to(device),
+        keeps=torch.ones(n, **i64),
         pools=pools.step_pools(),
         kv_len=kv_len,
         is_decode=True,
@@ -465,7 +466,8 @@ def test_tiny_llama_decode_compiled_equals_eager(tiny_ckpts) -> None:
     lens = torch.tensor([len(p) for p in prompts])
     zeros = torch.zeros(n, dtype=torch.int64)
     prefill = StepBatch(
-        ids, pos, loc, torch.arange(n), zeros, lens, zeros, zeros, zeros, kind.pools, kv_len=t,
+        ids, pos, loc, torch.arange(n), zeros, lens, zeros, zeros, zeros, zeros + 1, kind.pools,
+        kv_len=t,
     )  # fmt: skip
     with torch.inference_mode():
         tokens = [[int(x)] for x in kind.step(prefill).next_ids]
@@ -479,7 +481,7 @@ def test_tiny_llama_decode_compiled_equals_eager(tiny_ckpts) -> None:
         inputs = StepBatch(
             torch.tensor([ts[-1] for ts in tokens]).view(n, 1), prefix.view(n, 1),
             (1 + torch.arange(n) * max_ctx + prefix).view(n, 1), torch.arange(n), prefix,
-            torch.ones(n, dtype=torch.int64), zeros, zeros, zeros + k + 1, kind.pools,
+            torch.ones(n, dtype=torch.int64), zeros, zeros, zeros + k + 1, zeros + 1, kind.pools,
             kv_len=int(prefix.max()) + 1, is_decode=True, keep_logits=True,
         )  # fmt: skip
         want = eager.run(inputs)

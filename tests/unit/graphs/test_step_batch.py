@@ -31,7 +31,7 @@ def request(rid: str, temperature: float) -> Request:
 
 
 def test_a_column_is_written_once_per_request_and_pads_the_rest() -> None:
-    table = ScaledSampling.allocate(4, "cpu")
+    table = ScaledSampling.allocate(4, "cpu", vocab=8)
     a, b = request("a", 0.5), request("b", 0.0)
     table.take(0, a)
     table.take(2, b)
@@ -46,7 +46,7 @@ def test_a_column_is_written_once_per_request_and_pads_the_rest() -> None:
 
 def test_a_new_column_reaches_eager_and_captured_steps_unchanged() -> None:
     rows, vocab = 4, 8
-    table = ScaledSampling.allocate(rows + 1, "cpu")
+    table = ScaledSampling.allocate(rows + 1, "cpu", vocab=vocab)
     for i, t in enumerate((0.0, 1.0, 3.0)):
         table.take(i, request(f"r{i}", t))
     req_to_token = torch.zeros(rows + 1, 8, dtype=torch.int32)

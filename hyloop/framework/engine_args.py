@@ -1,0 +1,228 @@
+"""vLLM's engine arguments as a front door onto hyloop's config.
+
+``EngineArgs`` takes vLLM's keyword names (``LLM(model, max_model_len=..., enforce_eager=...)``)
+and turns the ones given into dotlist overrides of ``EngineConfig``: a config file and
+``overrides`` still configure everything, and an argument given here wins over both. An argument
+hyloop has no use for is accepted and logged (tensor parallelism: hyloop runs one device, with
+the same outputs); one it cannot honour (LoRA, float16, CPU offload, ...) is a
+``NotSupportedError`` naming it; an unknown name is an error
+listing the near ones. The README's table lists every mapping.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hyloop.framework.config import EngineConfig, load_config
+from hyloop.framework.sampling_params import GENERATION_CONFIG_FIELDS, NotSupportedError
+
+log = logging.getLogger(__name__)
+
+_MB = 2**20
+
+
+def _key(key: str) -> Callable[[Any], list[str]]:
+    return lambda v: [f"{key}={v}"]
+
+
+def _dtype(value: str) -> list[str]:
+    names = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16"}
+    if value == "auto":
+        return []
+    if value not in names:
+        raise NotSupportedError(f"dtype={value!r}: hyloop computes in float32 or bfloat16")
+    return [f"dtype={names[value]}"]
+
+
+def _device(value: str) -> list[str]:
+    return [] if value == "auto" else [f"device={value}"]
+
+
+def _generation_overrides(value: dict[str, Any]) -> list[str]:
+    fields = set(GENERATION_CONFIG_FIELDS.values()) & {"temperature", "top_p", "top_k"}
+    out = []
+    for k, v in value.items():
+        name = GENERATION_CONFIG_FIELDS.get(k, k)
+        if name not in fields | {"max_tokens"}:
+            raise NotSupportedError(f"override_generation_config: {k!r} is not applied by hyloop")
+        out.append(f"sampling_defaults.{name}={v}")
+    return out
+
+
+# name -> (CLI type, how a given value maps onto the config)
+_MAPPED: dict[str, tuple[Any, Callable[[Any], list[str]]]] = {
+    "model": (str, _key("model.path")),
+    "tokenizer": (str, _key("model.tokenizer")),
+    "dtype": (str, _dtype),
+    "seed": (int, _key("seed")),
+    "max_model_len": (int, _key("model.max_context")),
+    "max_num_seqs": (int, _key("scheduler.max_running_requests")),
+    "max_num_batched_tokens": (int, _key("scheduler.prefill_token_budget")),
+    "enforce_eager": (bool, lambda v: ["graphs.backend=eager"] if v else []),
+    "enable_prefix_caching": (bool, _key("cache.enable")),
+    "block_size": (int, _key("kv_pool.page_size")),
+    "kv_cache_memory_bytes": (int, lambda v: [f"kv_pool.memory_budget_mb={v / _MB}"]),
+    "gpu_memory_utilization": (float, _key("kv_pool.gpu_memory_utilization")),
+    "device": (str, _device),
+    "generation_config": (str, _key("model.generation_config")),
+    "override_generation_config": (json.loads, _generation_overrides),
+}
+# vLLM arguments with no effect in hyloop, at their neutral value: another value is logged
+# (``None`` in the set: any value is fine) or, for those in _REFUSED, an error.
+_INERT: dict[str, Any] = {
+    "trust_remote_code": False,
+    "tokenizer_mode": "auto",
+    "revision": None,
+    "tokenizer_revision": None,
+    "code_revision": None,
+    "download_dir": None,
+    "hf_token": None,
+    "load_format": "auto",
+    "swap_space": 4,
+    "disable_log_stats": False,
+    "enable_chunked_prefill": None,
+    "disable_custom_all_reduce": False,
+    "max_seq_len_to_capture": None,
+    "max_logprobs": 20,
+    "served_model_name": None,
+    "skip_tokenizer_init": False,
+    "tensor_parallel_size": 1,
+    "pipeline_parallel_size": 1,
+    "data_parallel_size": 1,
+    "cpu_offload_gb": 0,
+    "quantization": None,
+    "kv_cache_dtype": "auto",
+    "enable_lora": False,
+    "speculative_config": None,
+    "hf_overrides": None,
+    "compilation_config": None,
+    "distributed_executor_backend": None,
+    "limit_mm_per_prompt": None,
+    "mm_processor_kwargs": None,
+    "logits_processors": None,
+    "structured_outputs_config": None,
+    "enable_log_requests": False,
+    "disable_log_requests": None,
+    "runner": "auto",
+    "task": "auto",
+}
+_ONE_DEVICE = {"tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"}
+_REFUSED = {
+    "cpu_offload_gb",
+    "kv_cache_dtype",
+    "enable_lora",
+    "speculative_config",
+    "hf_overrides",
+    "skip_tokenizer_init",
+    "distributed_executor_backend",
+    "logits_processors",
+    "structured_outputs_config",
+    "mm_processor_kwargs",
+    "limit_mm_per_prompt",
+}
+_QUANTIZATION_OK = (None, "gguf")
+_HYLOOP = {"config": None, "overrides": None}
+FIELDS = (*_MAPPED, *_INERT, *_HYLOOP)
+
+
+class EngineArgs:
+    """vLLM's ``EngineArgs`` over hyloop's config; ``config`` (YAML file(s) or an
+    ``EngineConfig``) and ``overrides`` (``["kv_pool.page_size=16"]``) are hyloop's own."""
+
+    def __init__(self, model: str | Path | None = None, **kwargs: Any) -> None:
+        kwargs["model"] = str(model) if model is not None else None
+        for name in kwargs:
+            if name not in FIELDS:
+                near = difflib.get_close_matches(name, FIELDS, n=3)
+                hint = f"; did you mean {', '.join(near)}?" if near else ""
+                raise ValueError(f"unknown engine argument {name!r}{hint}")
+        for name in FIELDS:
+            setattr(self, name, kwargs.get(name, _INERT.get(name)))
+
+    def __repr__(self) -> str:
+        given = {n: v for n in FIELDS if (v := getattr(self, n)) is not None and v != _INERT.get(n)}
+        return f"EngineArgs({', '.join(f'{k}={v!r}' for k, v in given.items())})"
+
+    def to_overrides(self) -> list[str]:
+        """The dotlist overrides the given vLLM arguments stand for."""
+        out: list[str] = []
+        for name, (_, mapping) in _MAPPED.items():
+            value = getattr(self, name)
+            if value is not None:
+                out += mapping(value)
+        for name, neutral in _INERT.items():
+            value = getattr(self, name)
+            if value is None or value == neutral:
+                continue
+            ok = value in _QUANTIZATION_OK if name == "quantization" else name not in _REFUSED
+            if not ok:
+                raise NotSupportedError(f"engine argument {name}={value!r} is not supported")
+            if name in _ONE_DEVICE:
+                log.warning("%s=%r: hyloop runs the model on one device", name, value)
+            elif name != "quantization":
+                log.info("engine argument %s=%r has no effect in hyloop", name, value)
+        return out
+
+    def create_engine_config(self) -> EngineConfig:
+        mapped = self.to_overrides()
+        config = self.config
+        if isinstance(config, EngineConfig):
+            return load_config(None, [*(self.overrides or []), *mapped], base=config.model_dump())
+        return load_config(config, [*(self.overrides or []), *mapped])
+
+    # -- the command line ------------------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: Any) -> Any:
+        """vLLM's engine flags (``--max-model-len``...) plus ``--config`` and ``--override``;
+        every default is None: hyloop's config decides what is not given."""
+        for name, (kind, _) in _MAPPED.items():
+            flag = "--" + name.replace("_", "-")
+            if kind is bool:
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+            else:
+                parser.add_argument(flag, type=kind, default=None)
+        for name, neutral in _INERT.items():
+            flag = "--" + name.replace("_", "-")
+            if isinstance(neutral, bool):
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+            else:
+                kind = type(neutral) if neutral is not None else str
+                parser.add_argument(flag, type=kind, default=None, help=argparse.SUPPRESS)
+        parser.add_argument("--config", action="append", default=None, help="hyloop YAML config")
+        parser.add_argument(
+            "--override", dest="overrides", action="append", default=None, metavar="KEY=VALUE"
+        )
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        given = {n: getattr(args, n) for n in FIELDS if getattr(args, n, None) is not None}
+        return cls(**given)
+
+
+def kv_budget_bytes(memory_budget_mb: float, utilization: float | None, device: Any) -> int:
+    """The KV pool's byte budget: ``kv_pool.memory_budget_mb``, or on CUDA with
+    ``kv_pool.gpu_memory_utilization`` set, that share of the device's memory less what is
+    already in use (weights loaded) and a 5% reserve for activations and graph pools."""
+    dev = torch.device(device)
+    if utilization is None:
+        return int(memory_budget_mb * _MB)
+    if dev.type != "cuda":
+        log.info("gpu_memory_utilization=%s has no effect on %s", utilization, dev)
+        return int(memory_budget_mb * _MB)
+    free, total = torch.cuda.mem_get_info(dev)
+    budget = int(utilization * total) - (total - free) - total // 20
+    if budget <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization={utilization}: {(total - free) / _MB:.0f} MiB of "
+            f"{total / _MB:.0f} MiB are in use already; no room for the KV pool"
+        )
+    return budget

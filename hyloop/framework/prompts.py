@@ -1,0 +1,86 @@
+"""Prompts in vLLM's forms: a ``str``, a ``list[int]`` of token ids, a ``TextPrompt`` or
+``TokensPrompt`` dict, or a list of any of these."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NotRequired, TypedDict
+
+from hyloop.framework.sampling_params import NotSupportedError
+
+
+class TextPrompt(TypedDict):
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    prompt_token_ids: list[int]
+    prompt: NotRequired[str]  # the text the ids came from, echoed in the output
+
+
+PromptType = str | list[int] | TextPrompt | TokensPrompt
+_KNOWN = {"prompt", "prompt_token_ids"}
+_VLLM_ONLY = {
+    "multi_modal_data",
+    "mm_processor_kwargs",
+    "multi_modal_uuids",
+    "prompt_embeds",
+    "token_type_ids",
+    "cache_salt",
+    "encoder_prompt",
+    "decoder_prompt",
+}
+
+
+def as_batch(prompts: Any) -> list[Any]:
+    """The prompts of one ``generate`` call: a single prompt becomes a list of one."""
+    if prompts is None:
+        raise ValueError(
+            "generate(): prompts is None; give a str, a list of token ids, a TextPrompt / "
+            "TokensPrompt dict, or a list of these"
+        )
+    if isinstance(prompts, str | dict) or _is_token_list(prompts):
+        return [prompts]
+    if isinstance(prompts, Sequence):
+        return list(prompts)
+    raise ValueError(
+        f"generate(): prompts of type {type(prompts).__name__}; expected a str, a list of "
+        "token ids, a TextPrompt / TokensPrompt dict, or a list of these"
+    )
+
+
+def split_prompt(where: str, prompt: Any) -> tuple[str | None, list[int] | str | Any]:
+    """``(text shown in the output, what to tokenize or the ids)`` of one prompt; a dict's
+    fields are checked here (an unknown one is an error naming it)."""
+    if not isinstance(prompt, dict):
+        return (prompt if isinstance(prompt, str) else None), prompt
+    unknown = set(prompt) - _KNOWN
+    for key in sorted(unknown):
+        if key in _VLLM_ONLY:
+            raise NotSupportedError(f"{where}: prompt field {key!r} is not supported by hyloop")
+        raise ValueError(
+            f"{where}: unknown prompt field {key!r}; a TextPrompt has `prompt`, a TokensPrompt "
+            "`prompt_token_ids`"
+        )
+    if "prompt_token_ids" in prompt:
+        ids = prompt["prompt_token_ids"]
+        if not isinstance(ids, list | tuple):
+            raise ValueError(
+                f"{where}: prompt_token_ids: got {type(ids).__name__}; expected a list of ints"
+            )
+        text = prompt.get("prompt")
+        return (text if isinstance(text, str) else None), list(ids)
+    if "prompt" in prompt:
+        text = prompt["prompt"]
+        if not isinstance(text, str):
+            raise ValueError(f"{where}: prompt: got {type(text).__name__}; expected a str")
+        return text, text
+    raise ValueError(f"{where}: a prompt dict needs `prompt` or `prompt_token_ids`")
+
+
+def _is_token_list(value: Any) -> bool:
+    return (
+        isinstance(value, list | tuple)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )
