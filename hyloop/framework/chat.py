@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from hyloop.framework.prompts import TokensPrompt
 from hyloop.framework.sampling_params import NotSupportedError
 
 ContentFormat = Literal["auto", "string", "openai"]
@@ -77,8 +78,10 @@ def render_chat(
     continue_final_message: bool = False,
     tools: list[dict[str, Any]] | None = None,
     **template_kwargs: Any,
-) -> str:
-    """The chat as a text prompt; every failure is a ValueError naming ``where``."""
+) -> TokensPrompt:
+    """The chat as a prompt: its rendered text and that text's ids without the tokenizer's
+    special tokens (the template writes its own BOS, as HF and vLLM tokenize a chat); every
+    failure is a ValueError naming ``where``."""
     chat = check_messages(where, messages, content_format)
     if tokenizer is None:
         raise ValueError(
@@ -107,4 +110,6 @@ def render_chat(
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from e
     assert isinstance(text, str)
-    return text
+    return TokensPrompt(
+        prompt=text, prompt_token_ids=tokenizer.encode(text, add_special_tokens=False)
+    )

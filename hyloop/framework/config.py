@@ -40,6 +40,9 @@ class ModelSection(_Section):
     tokenizer: str | None = Field(
         None, description="HF directory or .gguf whose tokenizer to use; default the model's"
     )
+    max_logprobs: int = Field(
+        20, ge=0, description="most logprobs / prompt_logprobs a request may ask for (vLLM's)"
+    )
     generation_config: str = Field(
         "auto",
         description="request defaults: auto (the checkpoint's generation_config.json), vllm "
@@ -177,6 +180,9 @@ class SamplingDefaultsSection(_Section):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
     max_tokens: int | None = Field(None, ge=1)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
 
 
 class LookaheadSection(_Section):

@@ -108,14 +108,16 @@ class Engine:
         if lora_request is not None:
             raise NotSupportedError(f"request {request_id!r}: lora_request is not supported")
         if isinstance(sampling_params, SamplingParams) and forks_of(sampling_params) > 1:
-            sampling_params.validate(f"request {request_id!r} sampling_params")
+            sampling_params.validate(
+                f"request {request_id!r} sampling_params", self.cfg.model.max_logprobs
+            )
             return self._add_forks(request_id, prompt, sampling_params, arrival_time)
         req = self._new_request(request_id, prompt, sampling_params)
         if arrival_time is not None:
             req.arrival_time = arrival_time
         with self._lock:
             live = request_id in self.scheduler and request_id not in self._queued_aborts
-            if live or request_id in self._queued_ids:
+            if live or request_id in self._queued_ids or request_id in self._parallel:
                 raise ValueError(f"request {request_id!r}: id already in use")
             # Drawn only once the request is accepted, so a refused one leaves the seed
             # stream of later requests as it was.
@@ -132,7 +134,7 @@ class Engine:
     ) -> None:
         """``n`` samples: ``n`` child requests joined back in ``step`` (``parallel.py``)."""
         with self._lock:
-            if request_id in self._parallel:
+            if request_id in self._parallel or request_id in self.scheduler:
                 raise ValueError(f"request {request_id!r}: id already in use")
             forks = self._parallel.fork(request_id, params)
         added: list[str] = []
@@ -149,8 +151,9 @@ class Engine:
         """Abort a request or several (unknown or finished: a no-op); what it holds is freed
         once no launched step may read it."""
         if not isinstance(request_id, str) or request_id in self._parallel:
-            ids = self._parallel.children(request_id) if isinstance(request_id, str) else request_id
-            for rid in list(ids):
+            with self._lock:
+                ids = self._parallel.children(request_id) if isinstance(request_id, str) else []
+            for rid in ids if isinstance(request_id, str) else list(request_id):
                 self.abort_request(rid)
             return
         with self._lock:
@@ -184,7 +187,7 @@ class Engine:
                 f"{type(sampling_params).__name__}; expected a SamplingParams"
             )
         params = sampling_params or self.default_params()
-        params.validate(f"request {request_id!r} sampling_params")
+        params.validate(f"request {request_id!r} sampling_params", self.cfg.model.max_logprobs)
         return new_request(
             request_id,
             prompt,
@@ -234,7 +237,8 @@ class Engine:
             if out.finished:
                 self.finished += 1
                 self.aborted += out.outputs[0].finish_reason == "abort"
-        outputs = self._parallel.join(outputs)
+        with self._lock:  # abort_request may read the forks from another thread
+            outputs = self._parallel.join(outputs)
         if not self.has_unfinished_requests() and not self._idle:
             self._idle = True
             self.recorder.pause()  # waiting for new requests is no host time of this loop

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from hyloop.framework.config import EngineConfig, load_config
+from hyloop.framework.config import EngineConfig, SamplingDefaultsSection, load_config
 from hyloop.framework.sampling_params import GENERATION_CONFIG_FIELDS, NotSupportedError
 
 log = logging.getLogger(__name__)
@@ -47,11 +47,10 @@ def _device(value: str) -> list[str]:
 
 
 def _generation_overrides(value: dict[str, Any]) -> list[str]:
-    fields = set(GENERATION_CONFIG_FIELDS.values()) & {"temperature", "top_p", "top_k"}
     out = []
     for k, v in value.items():
         name = GENERATION_CONFIG_FIELDS.get(k, k)
-        if name not in fields | {"max_tokens"}:
+        if name not in SamplingDefaultsSection.model_fields:
             raise NotSupportedError(f"override_generation_config: {k!r} is not applied by hyloop")
         out.append(f"sampling_defaults.{name}={v}")
     return out
@@ -74,6 +73,7 @@ _MAPPED: dict[str, tuple[Any, Callable[[Any], list[str]]]] = {
     "device": (str, _device),
     "generation_config": (str, _key("model.generation_config")),
     "override_generation_config": (json.loads, _generation_overrides),
+    "max_logprobs": (int, _key("model.max_logprobs")),
 }
 # vLLM arguments with no effect in hyloop, at their neutral value: another value is logged
 # (``None`` in the set: any value is fine) or, for those in _REFUSED, an error.
@@ -91,7 +91,6 @@ _INERT: dict[str, Any] = {
     "enable_chunked_prefill": None,
     "disable_custom_all_reduce": False,
     "max_seq_len_to_capture": None,
-    "max_logprobs": 20,
     "served_model_name": None,
     "skip_tokenizer_init": False,
     "tensor_parallel_size": 1,
@@ -129,6 +128,7 @@ _REFUSED = {
     "limit_mm_per_prompt",
 }
 _QUANTIZATION_OK = (None, "gguf")
+_FLAGS = {"enable_chunked_prefill", "disable_log_requests"}  # vLLM booleans unset by default
 _HYLOOP = {"config": None, "overrides": None}
 FIELDS = (*_MAPPED, *_INERT, *_HYLOOP)
 
@@ -156,6 +156,8 @@ class EngineArgs:
         out: list[str] = []
         for name, (_, mapping) in _MAPPED.items():
             value = getattr(self, name)
+            if name == "gpu_memory_utilization" and self.kv_cache_memory_bytes is not None:
+                continue  # vLLM: an explicit KV size wins over the utilization
             if value is not None:
                 out += mapping(value)
         for name, neutral in _INERT.items():
@@ -191,7 +193,7 @@ class EngineArgs:
                 parser.add_argument(flag, type=kind, default=None)
         for name, neutral in _INERT.items():
             flag = "--" + name.replace("_", "-")
-            if isinstance(neutral, bool):
+            if isinstance(neutral, bool) or name in _FLAGS:
                 parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
             else:
                 kind = type(neutral) if neutral is not None else str

@@ -123,10 +123,10 @@ class LLM:
                 self._counter += 1
                 self.engine.add_request(rid, prompt, p)
                 ids.append(rid)
-        except Exception:
-            for rid in ids:
-                self.engine.abort_request(rid)
-            self.engine.step()  # drain the abort outputs
+        except Exception:  # what was queued goes, and leaves no output behind
+            self.engine.abort_request(ids)
+            if not self.engine.scheduler.running:  # nothing else runs: drain the aborts
+                self.engine.step()
             raise
         yield from self._run(ids, use_tqdm)
 

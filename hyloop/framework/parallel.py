@@ -21,6 +21,8 @@ class _Parent:
     forks: int
     kind: RequestOutputKind
     strip_logprobs: bool  # logprobs computed only to rank best_of forks
+    children: list[str] = field(default_factory=list)
+    dropped: bool = False  # its add failed: its forks' (abort) outputs are swallowed
     samples: dict[int, CompletionOutput] = field(default_factory=dict)
     last: RequestOutput | None = None
     finished: set[int] = field(default_factory=set)
@@ -49,25 +51,31 @@ class ParallelSamples:
         ranked = m > params.n and params.logprobs is None
         parent = _Parent(request_id, params.n, m, params.output_kind, ranked)
         logprobs = 0 if ranked else params.logprobs
+        # best_of forks show nothing before the end: each returns its whole output once
+        kind = RequestOutputKind.FINAL_ONLY if m > params.n else params.output_kind
         forks = []
         for j in range(m):
             seed = params.seed + j if params.seed is not None else None
-            child = dataclasses.replace(params, n=1, best_of=None, seed=seed, logprobs=logprobs)
+            child = dataclasses.replace(
+                params, n=1, best_of=None, seed=seed, logprobs=logprobs, output_kind=kind
+            )
             forks.append((f"{j}_{request_id}", child))
         for j, (child, _) in enumerate(forks):
             self._children[child] = (parent, j)
+            parent.children.append(child)
         self._parents[request_id] = parent
         return forks
 
     def children(self, request_id: str) -> list[str]:
         parent = self._parents.get(request_id)
-        return [c for c, (p, _) in self._children.items() if p is parent] if parent else []
+        return list(parent.children) if parent else []
 
     def forget(self, request_id: str) -> None:
-        """A fork that was never queued (its add failed): drop the whole parent."""
-        for child in self.children(request_id):
-            del self._children[child]
-        self._parents.pop(request_id, None)
+        """A parent whose add failed: it is gone, and what its queued forks return (their
+        abort outputs) is swallowed."""
+        parent = self._parents.pop(request_id, None)
+        if parent is not None:
+            parent.dropped = True
 
     def join(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Outputs with each child's replaced by its parent's: ``final_only`` (and ``best_of``)
@@ -81,6 +89,10 @@ class ParallelSamples:
                 out.append(o)
                 continue
             parent, j = entry
+            if parent.dropped:
+                if o.finished:
+                    del self._children[o.request_id]
+                continue
             sample = dataclasses.replace(o.outputs[0], index=j)
             parent.samples[j] = sample
             if o.finished:

@@ -282,6 +282,10 @@ def new_request(
     max_new = output_budget(request_id, params, len(ids), d.max_context, kv)
     user_stops = set(params.stop_token_ids or [])
     stop = user_stops if params.ignore_eos else user_stops | eos_ids
+    # vLLM's stop_reason: the id that stopped it, None for the tokenizer's own EOS
+    primary = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    if primary is None and d.eos_token_ids:
+        primary = d.eos_token_ids[0]
     return Request(
         request_id=request_id,
         prompt_ids=ids,
@@ -291,7 +295,7 @@ def new_request(
         stop_ids=frozenset(stop),
         prompt_text=text,
         arrival_time=time.time(),
-        stop_reasons=frozenset(user_stops - eos_ids),
+        stop_reasons=frozenset(stop if params.ignore_eos else stop - {primary}),
         logprobs=[] if params.logprobs is not None else None,
         prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         logits=[] if capture_logits else None,

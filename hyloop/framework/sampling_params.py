@@ -51,6 +51,11 @@ GENERATION_CONFIG_FIELDS = {
 }
 
 
+# transformers' GenerationConfig defaults: a value equal to one is no request default (vLLM
+# reads ``GenerationConfig.to_diff_dict()``).
+_HF_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0}
+
+
 def generation_defaults(source: str, model_path: str) -> dict[str, Any]:
     """Request defaults from a ``generation_config.json`` as vLLM applies them: ``source`` is
     ``auto`` (the checkpoint directory's), ``vllm`` (none) or a directory holding one. A default
@@ -72,7 +77,7 @@ def generation_defaults(source: str, model_path: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, name in GENERATION_CONFIG_FIELDS.items():
         value = gen.get(key) if isinstance(gen, dict) else None
-        if value is None:
+        if value is None or value == _HF_DEFAULTS.get(key):  # vLLM reads the diff only
             continue
         if name in NOT_YET and value != NOT_YET[name]:
             log.warning("%s: %s=%r is not applied (hyloop has no %s yet)", path, key, value, name)
@@ -164,7 +169,7 @@ class SamplingParams:
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)
 
-    def validate(self, where: str = "sampling_params") -> None:
+    def validate(self, where: str = "sampling_params", max_logprobs: int | None = None) -> None:
         def bad(name: str, value: object, expected: str) -> ValueError:
             return ValueError(f"{where}.{name}: got {value!r}; expected {expected}")
 
@@ -200,6 +205,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _integer(value) or value < 0):
                 raise bad(name, value, "None or an int >= 0")
+            if value is not None and max_logprobs is not None and value > max_logprobs:
+                raise bad(name, value, f"at most model.max_logprobs={max_logprobs}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad(
                 "output_kind",

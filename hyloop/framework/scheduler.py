@@ -204,11 +204,11 @@ class Scheduler:
                 req.logprobs.append(_logprob_entry(out, i, tok, req.params.logprobs or 0))
             if req.logits is not None and out.logits is not None:
                 req.logits.append(out.logits[i].clone())
-            if tok in req.stop_ids:
+            if len(req.output_ids) >= req.max_new:  # vLLM checks the length first
+                self.finish(req, "length")
+            elif tok in req.stop_ids:
                 req.stop_reason = tok if tok in req.stop_reasons else None
                 self.finish(req, "stop")
-            elif len(req.output_ids) >= req.max_new:
-                self.finish(req, "length")
             elif req.params.output_kind is not RequestOutputKind.FINAL_ONLY:
                 outs.append(self.output(req))
         return outs

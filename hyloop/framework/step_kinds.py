@@ -22,32 +22,17 @@ from torch import nn
 from hyloop.cache.lease import Lease
 from hyloop.framework.requests import Batch, Chunk, Request
 from hyloop.framework.sampling_params import SamplingParams
+from hyloop.framework.token_sampling import TokenSampling, penalized
 from hyloop.graphs.capture import ArtifactKey
 from hyloop.graphs.ops import scatter_track_slots
-from hyloop.graphs.sampler import apply_penalties, candidate_cap, sample, token_hashes
-from hyloop.graphs.step_batch import RequestTable, StepBatch, StepOutput, StepPools, column
-
-
-def _prompt_seen(req: Request) -> list[int]:
-    return req.prompt_ids if req.params.repetition_penalty != 1.0 else []
-
-
-@dataclasses.dataclass
-class TokenSampling(RequestTable):
-    """Per-request sampling of a token step: each ``column`` says where its value comes from,
-    and ``TokenStep.step`` reads it. The padding row samples greedily."""
-
-    temperature: torch.Tensor = column(torch.float32, 0.0, lambda r: r.params.sampling_temperature)
-    top_k: torch.Tensor = column(torch.int64, -1, lambda r: r.params.filter_top_k)
-    top_p: torch.Tensor = column(torch.float32, 1.0, lambda r: r.params.filter_top_p)
-    seed: torch.Tensor = column(torch.int64, 0, lambda r: r.seed32)
-    repetition: torch.Tensor = column(torch.float32, 1.0, lambda r: r.params.repetition_penalty)
-    frequency: torch.Tensor = column(torch.float32, 0.0, lambda r: r.params.frequency_penalty)
-    presence: torch.Tensor = column(torch.float32, 0.0, lambda r: r.params.presence_penalty)
-    # Output token counts, bumped by the step's own kept samples; the prompt's tokens (only
-    # for a repetition penalty, which counts them too).
-    counts: torch.Tensor = column(torch.float32, 0.0, shape=("vocab",))
-    prompt_seen: torch.Tensor = column(torch.bool, False, _prompt_seen, ("vocab",), marks=True)
+from hyloop.graphs.sampler import (
+    apply_penalties,
+    candidate_cap,
+    sample,
+    token_hashes,
+    token_logprobs,
+)
+from hyloop.graphs.step_batch import RequestTable, StepBatch, StepOutput, StepPools
 
 
 def forward_all(model: nn.Module, batch: StepBatch) -> torch.Tensor:
@@ -147,7 +132,7 @@ class StepKind:
             num_logprobs=nlp,
             keep_logits=keep_logits,
             greedy_only=not any(self.samples(p) for p in params),
-            penalized=any(_penalized(p) for p in params),
+            penalized=any(penalized(p) for p in params),
         )
         if batch.is_decode:
             return self._decode(chunks, batch.planned, **static)
@@ -223,15 +208,15 @@ class StepKind:
             dtype=torch.int64,
         )
         rows, prefix, ext, state, track, out_pos, keeps = self.to_device(per_row)
-        wants = [c.req.params.prompt_logprobs for c in chunks]
-        k = max((w for w in wants if w is not None), default=-1)
+        wants = [i for i, c in enumerate(chunks) if c.req.params.prompt_logprobs is not None]
+        k = max((chunks[i].req.params.prompt_logprobs or 0 for i in wants), default=-1)
         targets = None
-        if k >= 0:  # each position's next prompt token (-1: none)
-            targets = torch.full((b, t), -1, dtype=torch.int64)
-            for i, c in enumerate(chunks):
-                if wants[i] is not None:
-                    nxt = c.req.prompt_ids[c.start + 1 : c.start + c.length + 1]
-                    targets[i, : len(nxt)] = torch.tensor(nxt, dtype=torch.int64)
+        if wants:  # the wanting rows' next prompt token at each position (-1: none)
+            targets = torch.full((len(wants), t), -1, dtype=torch.int64)
+            for j, i in enumerate(wants):
+                c = chunks[i]
+                nxt = c.req.prompt_ids[c.start + 1 : c.start + c.length + 1]
+                targets[j, : len(nxt)] = torch.tensor(nxt, dtype=torch.int64)
             targets = self.to_device(targets)
         return StepBatch(
             input_ids=self.to_device(ids),
@@ -247,13 +232,10 @@ class StepKind:
             pools=self.pools,
             kv_len=max(c.start + c.length for c in chunks),
             prompt_logprobs=k,
+            prompt_rows=tuple(wants),
             prompt_targets=targets,
             **static,
         )
-
-
-def _penalized(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
 
 def _lease(c: Chunk) -> Lease:
@@ -264,6 +246,9 @@ def _lease(c: Chunk) -> Lease:
 def _out_pos(chunks: list[Chunk]) -> list[int]:
     """The output index each chunk samples at (a mid-prompt chunk's token is discarded)."""
     return [c.out_pos if c.out_pos >= 0 else len(c.req.output_ids) for c in chunks]
+
+
+PROMPT_SLICE = 64  # prompt positions whose logits one pass of _prompt_logprobs holds
 
 
 class TokenStep(StepKind):
@@ -300,26 +285,32 @@ class TokenStep(StepKind):
             s.counts.index_put_((rows, next_ids), batch.keeps.to(s.counts.dtype), accumulate=True)
         out = StepOutput(next_ids, logits)
         if batch.num_logprobs > 0:
-            out.chosen_lp, out.chosen_rank, out.top_lp, out.top_ids = _logprobs(
+            out.chosen_lp, out.chosen_rank, out.top_lp, out.top_ids = token_logprobs(
                 logits, next_ids, batch.num_logprobs
             )
-        if batch.prompt_logprobs >= 0:  # eager prefill: every position's next prompt token
-            assert batch.prompt_targets is not None
-            targets = batch.prompt_targets
-            every = self.model.compute_logits(hidden)
-            out.prompt_lp, out.prompt_rank, out.prompt_top_lp, out.prompt_top_ids = _logprobs(
-                every, targets.clamp_min(0), batch.prompt_logprobs
+        if batch.prompt_rows:  # eager prefill: every position's next prompt token
+            out.prompt_lp, out.prompt_rank, out.prompt_top_lp, out.prompt_top_ids = (
+                self._prompt_logprobs(hidden, batch)
             )
         return out
 
-
-def _logprobs(
-    logits: torch.Tensor, chosen: torch.Tensor, k: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(logprob, rank)`` of the ``chosen`` ids (``logits [..., V]``, ``chosen [...]``) and the
-    top ``k`` ``(logprobs, ids)``, under the raw model distribution."""
-    lp = logits.log_softmax(dim=-1)
-    picked = lp.gather(-1, chosen[..., None]).squeeze(-1)
-    rank = (lp > picked[..., None]).sum(dim=-1) + 1
-    top_lp, top_ids = lp.topk(k, dim=-1)
-    return picked, rank, top_lp, top_ids
+    def _prompt_logprobs(self, hidden: torch.Tensor, batch: StepBatch) -> tuple[torch.Tensor, ...]:
+        """``token_logprobs`` of the next prompt tokens ``[B, T]`` (and the top ``[B, T, k]``) for
+        the rows that want them, ``PROMPT_SLICE`` positions at a time (a vocabulary of logits
+        per position); the other rows hold zeros."""
+        assert batch.prompt_targets is not None
+        b, t, k = hidden.shape[0], hidden.shape[1], batch.prompt_logprobs
+        dev, rows = hidden.device, torch.tensor(batch.prompt_rows, device=hidden.device)
+        out = [
+            torch.zeros(b, t, device=dev),
+            torch.zeros(b, t, dtype=torch.int64, device=dev),
+            torch.zeros(b, t, k, device=dev),
+            torch.zeros(b, t, k, dtype=torch.int64, device=dev),
+        ]
+        picked, targets = hidden[rows], batch.prompt_targets.clamp_min(0)
+        for a in range(0, t, PROMPT_SLICE):
+            logits = self.model.compute_logits(picked[:, a : a + PROMPT_SLICE])
+            parts = token_logprobs(logits, targets[:, a : a + PROMPT_SLICE], k)
+            for whole, part in zip(out, parts, strict=True):
+                whole[rows, a : a + PROMPT_SLICE] = part.to(whole.dtype)
+        return tuple(out)

@@ -145,3 +145,15 @@ def apply_penalties(
     logits = torch.where(seen | prompt_seen, repeated, logits)
     logits = logits - frequency[:, None] * counts
     return logits - presence[:, None] * seen.to(logits.dtype)
+
+
+def token_logprobs(
+    logits: torch.Tensor, chosen: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logprob, rank)`` of the ``chosen`` ids (``logits [..., V]``, ``chosen [...]``) and the
+    top ``k`` ``(logprobs, ids)``, under the raw model distribution."""
+    lp = logits.log_softmax(dim=-1)
+    picked = lp.gather(-1, chosen[..., None]).squeeze(-1)
+    rank = (lp > picked[..., None]).sum(dim=-1) + 1
+    top_lp, top_ids = lp.topk(k, dim=-1)
+    return picked, rank, top_lp, top_ids

@@ -89,9 +89,10 @@ class StepBatch:
     # static: apply the per-request penalties (captured steps always do: a neutral row's are
     # exact no-ops); eager steps only when some row has one
     penalized: bool = False
-    # eager prefill only: the top prompt logprobs kept per position (-1: none), and each
-    # position's next prompt token ``[B, T]`` (-1: none)
-    prompt_logprobs: int = -1
+    # eager prefill only: the rows that want prompt logprobs, the top ones kept per position,
+    # and those rows' next prompt token at each position ``[len(prompt_rows), T]`` (-1: none)
+    prompt_rows: tuple[int, ...] = ()
+    prompt_logprobs: int = 0
     prompt_targets: torch.Tensor | None = None
     # Per-step values computed once and shared by every layer (attention indices, RoPE rows).
     meta: dict[Any, Any] = field(default_factory=dict)

@@ -152,11 +152,12 @@ class TextTokenizer:
             raise jinja2.exceptions.TemplateError(message)
 
         env.globals["raise_exception"] = raise_exception
+        specials = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
         text = env.from_string(template).render(
             messages=conversation,
             tools=tools,
             add_generation_prompt=add_generation_prompt,
-            **{**self.special_tokens, **kwargs},
+            **{**specials, **self.special_tokens, **kwargs},
         )
         if continue_final_message:
             last = conversation[-1].get("content") if conversation else None

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from hyloop.framework.chat import check_messages, render_chat
 from hyloop.framework.llm import LLM
 from hyloop.framework.outputs import RequestOutput
+from hyloop.framework.prompts import TokensPrompt
 from hyloop.framework.sampling_params import NotSupportedError, SamplingParams
 from hyloop.recipes.records import PROMPT_FIELDS, Line, RecordWriter, failed_fields, result_fields
 
@@ -41,7 +42,7 @@ SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) 
     "output_kind",
 }
 ROW_FIELDS = frozenset({"id", *PROMPT_FIELDS, *SAMPLING_FIELDS})
-Prompt = str | list[int]
+Prompt = str | list[int] | TokensPrompt
 
 
 def default_checkpoint() -> Path:
@@ -124,7 +125,7 @@ def check_row(where: str, value: Any) -> None:
     row_params(where, value, SamplingParams())
 
 
-def chat_prompt(where: str, messages: Any, tok: TextTokenizer | None) -> str:
+def chat_prompt(where: str, messages: Any, tok: TextTokenizer | None) -> TokensPrompt:
     """The chat rendered with the model's chat template: the text prompt ``LLM.chat`` sends."""
     return render_chat(f"{where}: messages", messages, tok)
 
@@ -158,6 +159,11 @@ def row_params(where: str, row: dict[str, Any], defaults: SamplingParams) -> Sam
         raise NotSupportedError(
             f"{where}: n={params.n}, best_of={params.best_of}: a `hyloop generate` record holds "
             "one sample; use `hyloop run-batch` (one choice per sample) or LLM.generate"
+        )
+    if params.prompt_logprobs is not None:
+        raise NotSupportedError(
+            f"{where}: prompt_logprobs={params.prompt_logprobs}: not written by `hyloop "
+            "generate`; use LLM.generate"
         )
     return params
 

@@ -104,6 +104,8 @@ def prefix_keys(
     for i, (label, row) in enumerate(zip(table.column(ROW).to_pylist(), rows, strict=True)):
         try:
             prompt = row_prompt(f"row {label}", row, tokenizer)
+            if isinstance(prompt, dict):  # a rendered chat
+                prompt = prompt["prompt_token_ids"]
             ids = tokenizer.encode(prompt) if isinstance(prompt, str) and tokenizer else prompt
             keys[i] = prefix_key([int(t) for t in ids], block, page_size)
         except (ValueError, TypeError):

@@ -26,6 +26,7 @@ from hyloop.framework.chat import render_chat
 from hyloop.framework.engine_args import EngineArgs
 from hyloop.framework.llm import LLM
 from hyloop.framework.outputs import CompletionOutput, Logprob, RequestOutput
+from hyloop.framework.prompts import TokensPrompt
 from hyloop.framework.sampling_params import RequestOutputKind, SamplingParams
 from hyloop.recipes.offline import default_checkpoint
 from hyloop.recipes.openai_batch import (
@@ -167,7 +168,7 @@ def run_rows(
         writer.put(i, error_line(rows[i], RowError(msg, status=500, code="internal_error")))
 
 
-def row_prompt(row: BatchRow, tokenizer: Any) -> str | list[int]:
+def row_prompt(row: BatchRow, tokenizer: Any) -> str | list[int] | TokensPrompt:
     """A completion's prompt, or a chat rendered with the checkpoint's chat template."""
     if row.url != CHAT:
         assert row.prompt is not None

@@ -151,7 +151,7 @@ class TTSEngine:
             return
         sample = out.outputs[0]
         new = sample.rows or []
-        if out.finished and sample.finish_reason == "stop" and new and new[-1][0] == self.end_id:
+        if out.finished and new and new[-1][0] == self.end_id:
             new = new[:-1]  # the end frame: not audio
         st.pending.extend(new)
         p = st.params

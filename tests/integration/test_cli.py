@@ -139,8 +139,9 @@ PARSE_ERRORS = [
     ('{"prompt_token_ids": "1 2 3"}', "prompt_token_ids"),
     ('{"prompt_token_ids": [1, 2], "max_tokens": 0}', "max_tokens: got 0"),
     ('{"prompt_token_ids": [1, 2], "temperature": "hot"}', "temperature: got 'hot'"),
-    ('{"prompt_token_ids": [1, 2], "n": 2}', "n=2: not supported"),
-    ('{"prompt_token_ids": [1, 2], "presence_penalty": 0.5}', "presence_penalty=0.5"),
+    ('{"prompt_token_ids": [1, 2], "n": 2}', "n=2, best_of=None: a `hyloop generate` record"),
+    ('{"prompt_token_ids": [1, 2], "min_p": 0.5}', "min_p=0.5: not supported"),
+    ('{"prompt_token_ids": [1, 2], "prompt_logprobs": 1}', "prompt_logprobs=1: not written"),
 ]
 MODEL_ERRORS = [  # found once the model is loaded
     ('{"prompt_token_ids": [1, 999]}', "prompt_token_ids: token id 999"),

@@ -135,7 +135,8 @@ def validate_line(line: dict[str, Any]) -> BatchRequestOutput:
     if out.error is None:
         assert out.response.status_code == 200 and body is not None
         prefix = "chatcmpl-" if isinstance(body, ChatCompletion) else "cmpl-"
-        assert body.id.startswith(prefix) and len(body.choices) == 1
+        assert body.id.startswith(prefix)
+        assert [c.index for c in body.choices] == list(range(len(body.choices))) != []
         u = body.usage
         assert u.total_tokens == u.prompt_tokens + u.completion_tokens
     else:
@@ -191,6 +192,7 @@ ROWS: list[dict[str, Any] | str] = [
         "body": {"messages": GREEDY_CHAT, "max_tokens": 5, "temperature": 0.0, "logprobs": True}
         | {"top_logprobs": 2},
     },
+    completion_row("samples", prompt=GREEDY_PROMPT, max_tokens=4, n=2, seed=3),
 ]
 ERRORS = {1: "'temprature'", 5: "context limit 512", 6: "token id 99999999"}
 
@@ -283,6 +285,13 @@ def test_bad_rows_get_their_own_error_lines(
     assert lines[1]["error"]["code"] == "invalid_request"
 
 
+def test_n_samples_are_n_choices(batch_out: tuple[list[dict[str, Any]], list[str]]) -> None:
+    lines, _ = batch_out
+    body = body_of(lines[8])
+    assert [c.index for c in body.choices] == [0, 1]
+    assert 2 <= body.usage.completion_tokens <= 2 * 4  # both samples count
+
+
 def test_completion_logprobs(batch_out: tuple[list[dict[str, Any]], list[str]]) -> None:
     lines, _ = batch_out
     body = body_of(lines[3])
@@ -348,9 +357,9 @@ CASES: list[tuple[str, str]] = [
     (bad_body(CHAT, messages=[{"role": "user", "content": 3}]), "messages[0].content"),
     (bad_body(CHAT, messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "image_url"),
     (bad_body(CHAT, model=OTHER_MODEL), "`messages`"),
-    (bad_body(CHAT, messages=MSG, n=2), "body.n=2"),
+    (bad_body(CHAT, messages=MSG, min_tokens=2), "body.min_tokens=2"),
     (bad_body(CHAT, messages=MSG, stop=["\n"]), "body.stop"),
-    (bad_body(CHAT, messages=MSG, presence_penalty=0.5), "body.presence_penalty"),
+    (bad_body(CHAT, messages=MSG, bad_words=["x"]), "body.bad_words"),
     (bad_body(CHAT, messages=MSG, logit_bias={"50": 5}), "body.logit_bias"),
     (bad_body(CHAT, messages=MSG, temperature="hot"), "body.temperature"),
     (bad_body(CHAT, messages=MSG, max_completion_tokens=0), "body.max_completion_tokens"),
@@ -422,7 +431,7 @@ def test_served_model_name_refuses_other_models(
 
 def test_cli_subprocess(tmp_path: Path, gguf: Path) -> None:
     """The module entry point, on a file no row of which is valid (so no model load)."""
-    src = write_rows(tmp_path / "in.jsonl", ["{oops", completion_row("a", prompt="x", n=3)])
+    src = write_rows(tmp_path / "in.jsonl", ["{oops", completion_row("a", prompt="x", min_p=0.1)])
     dst = tmp_path / "out.jsonl"
     cmd = [sys.executable, "-m", "hyloop.cli", "run-batch", "-i", str(src), "-o", str(dst)]
     proc = subprocess.run(
