@@ -1,9 +1,17 @@
 """vLLM's ``vllm.sampling_params`` module path."""
 
+from hyloop.framework.beam_search import BeamSearchParams
 from hyloop.framework.sampling_params import (
     NotSupportedError,
     RequestOutputKind,
     SamplingParams,
 )
+from hyloop.framework.structured_params import StructuredOutputsParams
 
-__all__ = ["NotSupportedError", "RequestOutputKind", "SamplingParams"]
+__all__ = [
+    "BeamSearchParams",
+    "NotSupportedError",
+    "RequestOutputKind",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]

@@ -23,7 +23,8 @@ from hyloop.framework.reuse import PositionIndependentReuse
 from hyloop.framework.sampling_params import generation_defaults
 from hyloop.framework.scheduler import Scheduler
 from hyloop.framework.stats import DeviceClock, StepRecorder
-from hyloop.framework.step_kinds import StepKind, TokenStep
+from hyloop.framework.step_kinds import StepKind
+from hyloop.framework.token_step import TokenStep
 from hyloop.graphs.capture import (
     BucketRunner,
     Estimates,
@@ -208,11 +209,9 @@ def build_engine(cfg: EngineConfig, loaded: LoadedModel | None = None) -> Engine
 
 def step_kind_for(contract: ModelContract) -> type[StepKind]:
     """Row models decode a frame a step (``hyloop.tts.frame_step``); the rest a token."""
-    if contract.rows is None:
-        return TokenStep
     from hyloop.tts.frame_step import FrameStep
 
-    return FrameStep
+    return TokenStep if contract.rows is None else FrameStep
 
 
 def kv_pools(

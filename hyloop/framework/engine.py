@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from hyloop.cache.lease import RequestCache
 from hyloop.framework.config import EngineConfig
+from hyloop.framework.controls import RequestControls
 from hyloop.framework.loops import OverlapLoop, SyncLoop
 from hyloop.framework.outputs import RequestOutput
 from hyloop.framework.parallel import ParallelSamples, forks_of
@@ -66,6 +67,7 @@ class Engine:
         self.vocab_size = derived.vocab_size
         self.max_context = derived.max_context
         self.eos_ids: frozenset[int] = frozenset(derived.eos_token_ids)
+        self._controls = RequestControls(tokenizer, self.vocab_size, self.eos_ids)
         self._rng = random.Random(cfg.seed)
         self._sync = SyncLoop(pipeline, recorder)
         self._overlap: OverlapLoop | None = None
@@ -187,8 +189,9 @@ class Engine:
                 f"{type(sampling_params).__name__}; expected a SamplingParams"
             )
         params = sampling_params or self.default_params()
-        params.validate(f"request {request_id!r} sampling_params", self.cfg.model.max_logprobs)
-        return new_request(
+        where = f"request {request_id!r} sampling_params"
+        params.validate(where, self.cfg.model.max_logprobs)
+        req = new_request(
             request_id,
             prompt,
             params,
@@ -198,6 +201,8 @@ class Engine:
             self.eos_ids,
             capture_logits=self.pipeline.capture_logits,
         )
+        self._controls.attach(req, where)
+        return req
 
     def get_num_unfinished_requests(self) -> int:
         with self._lock:
@@ -312,16 +317,13 @@ class Engine:
         d = self.recorder.as_dict(overlap=self._overlap is not None)
         sched = self.scheduler
         kv = sched.cache.kv
-        d["cached_tokens"] = sched.cached_tokens
-        d["reused_tokens"] = sched.reused_tokens
-        d["requests_finished"] = self.finished
-        d["requests_aborted"] = self.aborted
+        d.update(cached_tokens=sched.cached_tokens, reused_tokens=sched.reused_tokens)
+        d.update(requests_finished=self.finished, requests_aborted=self.aborted)
         d.update(self.graphs.stats())
-        d["lookahead"] = self.lookahead_enabled
-        d["weight_bytes"] = self.derived.weight_bytes
-        d["kv_free_tokens"] = kv.available_size()
-        d["kv_capacity_tokens"] = kv.capacity
-        d["kv_full_tokens_used"] = kv.capacity - kv.available_size()
+        d.update(lookahead=self.lookahead_enabled, weight_bytes=self.derived.weight_bytes)
+        free = kv.available_size()
+        d.update(kv_free_tokens=free, kv_capacity_tokens=kv.capacity)
+        d["kv_full_tokens_used"] = kv.capacity - free
         windows = sched.cache.windows
         d["kv_swa_tokens_used"] = windows.used_tokens() if windows is not None else 0
         d["cache_evictable_tokens"] = sched.cache.tree.evictable_size()

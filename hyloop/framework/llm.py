@@ -12,6 +12,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from hyloop.framework.assembly import build_engine
+from hyloop.framework.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from hyloop.framework.chat import render_chat
 from hyloop.framework.config import EngineConfig
 from hyloop.framework.engine import Engine
@@ -129,6 +130,23 @@ class LLM:
                 self.engine.step()
             raise
         yield from self._run(ids, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: Any,
+        params: BeamSearchParams,
+        lora_request: Any = None,
+        use_tqdm: bool | Callable[..., Any] = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's ``beam_search``: per prompt, its ``params.beam_width`` best sequences (prompt
+        ids included), best first; ``concurrency_limit`` prompts are searched at a time (None:
+        all). How it runs: ``framework.beam_search``."""
+        if lora_request is not None:
+            raise NotSupportedError("beam_search(): lora_request is not supported by hyloop")
+        search = BeamSearch(self.engine, params, tag=f"beam-{self._counter}")
+        self._counter += 1
+        return search.run(prompts, use_tqdm, concurrency_limit)
 
     def chat(
         self,

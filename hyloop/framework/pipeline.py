@@ -87,6 +87,8 @@ class StepPipeline:
         in_batch = {id(c.req) for c in after.chunks}
         if any(id(r) not in in_batch for r in sched.running):
             return None
+        if self.device.type == "cuda" and any(r.grammar is not None for r in sched.running):
+            return None  # a CUDA graph cannot wait for its masks (``token_masks``): drain
         rows: list[int] = []
         chunks: list[Chunk] = []
         for i, c in enumerate(after.chunks):
@@ -119,6 +121,8 @@ class StepPipeline:
             if step.source_rows is not None:
                 source = source.index_select(0, step.source_rows)
             step.step.input_ids = source.view(step.step.input_ids.shape)
+            if step.step.masked and self.device.type != "cuda":
+                self.kind.mask_gate.arm()  # released once ``after`` is resolved
         rec = self.recorder
         step.timing = timing = rec.launched(step.batch)
         out = step.output = self.graphs.run(step.step, on_staged)
@@ -139,6 +143,7 @@ class StepPipeline:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._unresolved.pop(step.gen, None)
+        self.kind.mask_gate.release()
         self.scheduler.abandon(step.batch)
         self.fence.retire(self.fence.issued)
 
@@ -156,6 +161,10 @@ class StepPipeline:
         self.fence.retire(step.gen)
         del self._unresolved[step.gen]
         assert step.output is not None and ids is not None
+        try:  # first the masks a launched step may be waiting for (``token_masks``)
+            self.kind.advance_grammars(step.batch, ids)
+        finally:
+            self.kind.mask_gate.release()
         return self.scheduler.resolve(step.batch, step.output, ids, rows)
 
     # -- checks ---------------------------------------------------------------------------------

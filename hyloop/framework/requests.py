@@ -12,9 +12,11 @@ from typing import Any
 import torch
 
 from hyloop.cache.lease import Lease
+from hyloop.framework.detokenizer import IncrementalText, output_text
 from hyloop.framework.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from hyloop.framework.prompts import split_prompt
 from hyloop.framework.sampling_params import RequestOutputKind, SamplingParams
+from hyloop.framework.stop_strings import check_stop_request
 from hyloop.graphs.ops import row_keys
 
 
@@ -46,6 +48,8 @@ class Request:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     logits: list[torch.Tensor] | None = None  # debug capture (engine.capture_logits)
     finish_reason: str | None = None
+    controls: Any = None  # its logits controls as step-table rows (``controls.Controls``)
+    grammar: Any = None  # structured outputs: its ``structured.GrammarMatcher``
     lease: Lease | None = None  # what it holds of the pools and the tree while it runs
     num_computed: int = 0  # positions whose KV is written
     num_sampled: int = 0  # tokens launched for sampling (ahead of output_ids under lookahead)
@@ -56,6 +60,7 @@ class Request:
     num_reused: int = 0
     num_emitted: int = 0  # output tokens handed out so far (``delta`` outputs start here)
     text_emitted: int = 0  # characters of output text handed out so far
+    text_state: IncrementalText | None = None  # its text so far (``detokenizer``)
     # Multi-channel models: prompt rows [L, C]; prompt_ids / output_ids then hold row keys.
     prompt_rows: torch.Tensor | None = None
     output_rows: list[list[int]] | None = None
@@ -129,21 +134,13 @@ class Batch:
 
 def request_output(req: Request, tokenizer: Any) -> RequestOutput:
     """``req``'s output so far in vLLM's shape (``delta``: only what is new since its last
-    output). Text is detokenized whole each time, and a running output holds back a trailing
-    partial character."""
+    output); its text is detokenized incrementally (``detokenizer.output_text``)."""
     p = req.params
     finished = req.status is Status.FINISHED
     delta = p.output_kind is RequestOutputKind.DELTA
     start = req.num_emitted if delta else 0
     req.num_emitted = len(req.output_ids)
-    text = ""
-    if tokenizer is not None and p.detokenize and req.output_rows is None:
-        text = tokenizer.decode(req.output_ids, skip_special_tokens=p.skip_special_tokens)
-        if not finished:
-            text = text.rstrip("\ufffd")
-        shown = req.text_emitted if delta else 0
-        req.text_emitted = max(req.text_emitted, len(text))
-        text = text[shown:]
+    text = output_text(req, tokenizer, finished, delta)
     logprobs, cumulative = req.logprobs, None
     if logprobs is not None:
         cumulative = sum(e[t].logprob for e, t in zip(logprobs, req.output_ids, strict=False))
@@ -280,6 +277,7 @@ def new_request(
             params.truncate_prompt_tokens,
         )
     max_new = output_budget(request_id, params, len(ids), d.max_context, kv)
+    check_stop_request(f"request {request_id!r}", params, tokenizer is not None and rows is None)
     user_stops = set(params.stop_token_ids or [])
     stop = user_stops if params.ignore_eos else user_stops | eos_ids
     # vLLM's stop_reason: the id that stopped it, None for the tokenizer's own EOS

@@ -5,12 +5,9 @@ from __future__ import annotations
 import copy
 import enum
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-log = logging.getLogger(__name__)
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -25,19 +22,10 @@ class RequestOutputKind(enum.IntEnum):
 
 _KIND_NAMES = {k.name.lower(): k for k in RequestOutputKind}
 SAMPLING_EPS = 1e-5  # a temperature below this is greedy (vLLM's rule)
-# Fields a request may carry whose control lands in the captured step later: each one names
-# itself when set away from this (vLLM's) neutral value.
-NOT_YET: dict[str, object] = {
-    "min_p": 0.0,
-    "stop": None,
-    "min_tokens": 0,
-    "logits_processors": None,
-    "structured_outputs": None,
-    "guided_decoding": None,
-    "logit_bias": None,
-    "allowed_token_ids": None,
-    "bad_words": None,
-}
+# Fields a request may carry whose control hyloop does not run: each one names itself when
+# set away from this (vLLM's) neutral value. (Per-request Python logits processors would put
+# host code inside the captured step; vLLM v1 dropped the per-request field as well.)
+NOT_YET: dict[str, object] = {"logits_processors": None}
 
 
 # generation_config.json keys vLLM takes request defaults from, and the field each sets.
@@ -58,8 +46,7 @@ _HF_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "repetition_penal
 
 def generation_defaults(source: str, model_path: str) -> dict[str, Any]:
     """Request defaults from a ``generation_config.json`` as vLLM applies them: ``source`` is
-    ``auto`` (the checkpoint directory's), ``vllm`` (none) or a directory holding one. A default
-    whose control hyloop lacks is left out, with a warning."""
+    ``auto`` (the checkpoint directory's), ``vllm`` (none) or a directory holding one."""
     if source == "vllm" or (source == "auto" and not model_path):
         return {}
     folder = Path(model_path if source == "auto" else source).expanduser()
@@ -78,9 +65,6 @@ def generation_defaults(source: str, model_path: str) -> dict[str, Any]:
     for key, name in GENERATION_CONFIG_FIELDS.items():
         value = gen.get(key) if isinstance(gen, dict) else None
         if value is None or value == _HF_DEFAULTS.get(key):  # vLLM reads the diff only
-            continue
-        if name in NOT_YET and value != NOT_YET[name]:
-            log.warning("%s: %s=%r is not applied (hyloop has no %s yet)", path, key, value, name)
             continue
         out[name] = value
     return out
@@ -175,7 +159,7 @@ class SamplingParams:
 
         for name, neutral in NOT_YET.items():
             value = getattr(self, name)
-            if value == neutral or (name in ("stop", "logit_bias", "bad_words") and not value):
+            if value == neutral:
                 continue
             raise NotSupportedError(
                 f"{where}.{name}={value!r}: not supported by hyloop yet (leave it at {neutral!r})"
@@ -230,6 +214,14 @@ class SamplingParams:
             or not all(_integer(t) for t in self.stop_token_ids)
         ):
             raise bad("stop_token_ids", self.stop_token_ids, "a list of ints")
+        # Each control's own checks live with it.
+        from hyloop.framework.controls import validate_controls
+        from hyloop.framework.stop_strings import validate_stop
+        from hyloop.framework.structured import validate_structured
+
+        validate_controls(self, where)
+        validate_stop(self, where)
+        validate_structured(self, where)
 
 
 @dataclass(frozen=True)

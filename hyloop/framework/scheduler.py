@@ -25,6 +25,7 @@ import torch
 from hyloop.cache import RadixKey
 from hyloop.cache.lease import RequestCache
 from hyloop.framework.config import SchedulerSection
+from hyloop.framework.detokenizer import stop_string_hit
 from hyloop.framework.outputs import Logprob, RequestOutput
 from hyloop.framework.requests import Batch, Chunk, Request, Status, request_output
 from hyloop.framework.sampling_params import RequestOutputKind
@@ -204,11 +205,16 @@ class Scheduler:
                 req.logprobs.append(_logprob_entry(out, i, tok, req.params.logprobs or 0))
             if req.logits is not None and out.logits is not None:
                 req.logits.append(out.logits[i].clone())
+            reason: str | None = None
             if len(req.output_ids) >= req.max_new:  # vLLM checks the length first
-                self.finish(req, "length")
+                reason = "length"
             elif tok in req.stop_ids:
-                req.stop_reason = tok if tok in req.stop_reasons else None
-                self.finish(req, "stop")
+                req.stop_reason, reason = (tok if tok in req.stop_reasons else None), "stop"
+            # then the stop strings, on the text: past a length stop, never past a stop token
+            if reason != "stop" and (hit := stop_string_hit(req, self.tokenizer)) is not None:
+                req.stop_reason, reason = hit, "stop"
+            if reason is not None:
+                self.finish(req, reason)
             elif req.params.output_kind is not RequestOutputKind.FINAL_ONLY:
                 outs.append(self.output(req))
         return outs

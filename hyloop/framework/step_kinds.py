@@ -7,7 +7,8 @@ step), the table rows of requests new to it, and the static values the step is s
 ``step(batch)`` is the unit a backend captures: forward, the recurrent track-slot scatter,
 last-row logits, sampling and logprobs, all tensor ops with no host sync.
 
-The token step lives here; the frame (TTS) step is ``hyloop.tts.frame_step.FrameStep``.
+The token step is ``token_step.TokenStep``; the frame (TTS) step is
+``hyloop.tts.frame_step.FrameStep``.
 """
 
 from __future__ import annotations
@@ -20,19 +21,18 @@ import torch
 from torch import nn
 
 from hyloop.cache.lease import Lease
-from hyloop.framework.requests import Batch, Chunk, Request
+from hyloop.framework.controls import controlled
+from hyloop.framework.requests import Batch, Chunk, Request, Status
 from hyloop.framework.sampling_params import SamplingParams
 from hyloop.framework.token_sampling import TokenSampling, penalized
 from hyloop.graphs.capture import ArtifactKey
 from hyloop.graphs.ops import scatter_track_slots
 from hyloop.graphs.sampler import (
-    apply_penalties,
     candidate_cap,
-    sample,
     token_hashes,
-    token_logprobs,
 )
-from hyloop.graphs.step_batch import RequestTable, StepBatch, StepOutput, StepPools
+from hyloop.graphs.step_batch import RequestTable, StepBatch, StepPools
+from hyloop.graphs.token_masks import MaskGate
 
 
 def forward_all(model: nn.Module, batch: StepBatch) -> torch.Tensor:
@@ -82,10 +82,16 @@ class StepKind:
         self.max_context = max_context
         self.kernels = kernels  # CPU GEMM choices to complete before a capture (or None)
         rows = pools.req_to_token.shape[0]
-        requests = self.table.allocate(rows, self.device, vocab=vocab_size, **dims)
+        words = (vocab_size + 31) // 32  # of a structured-output token bitmask
+        requests = self.table.allocate(
+            rows, self.device, vocab=vocab_size, mask_words=words, **dims
+        )
         self.pools = dataclasses.replace(pools, requests=requests)
         self.captured_pools = dataclasses.replace(self.pools, compute=captured_compute)
         self.tok_hash = token_hashes(vocab_size, self.device)
+        ids = torch.arange(vocab_size, device=self.device)
+        self.mask_word, self.mask_bit = ids // 32, (ids % 32).to(torch.int32)
+        self.mask_gate = MaskGate()
         self.row_shape: tuple[int, ...] = ()
 
     # -- what a batch samples with --------------------------------------------------------------
@@ -98,12 +104,16 @@ class StepKind:
         """Whether the request draws from noise at all (else it is greedy)."""
         return not params.greedy
 
-    def mode(self, params: Iterable[SamplingParams]) -> tuple[int, int]:
-        """``(top_cap, num_logprobs)`` of a step over requests sampling with ``params``."""
+    def mode(self, params: Iterable[SamplingParams]) -> tuple[int, int, bool]:
+        """``(top_cap, num_logprobs, controls)`` of a step over requests sampling with
+        ``params`` (``controls``: some request has a penalty, a logits control or a grammar)."""
         params = list(params)
         nlp = max((max(p.logprobs, 1) for p in params if p.logprobs is not None), default=0)
         cap = candidate_cap((self.filter_group(p) for p in params), self.vocab_size)
-        return cap, min(nlp, self.vocab_size)
+        controls = any(
+            penalized(p) or controlled(p) or p.structured_outputs is not None for p in params
+        )
+        return cap, min(nlp, self.vocab_size), controls
 
     def prepare_capture(self, keys: Sequence[ArtifactKey]) -> None:
         """Before capturing ``keys``: a compiled one-row step may run the GEMV, time it too."""
@@ -124,15 +134,19 @@ class StepKind:
         table = self.pools.requests
         assert table is not None
         for c in chunks:
-            table.take(_lease(c).req_row, c.req)
+            row = _lease(c).req_row
+            if table.take(row, c.req) and c.req.grammar is not None:
+                c.req.grammar.fill_bitmask(table.grammar, row)  # its first token's mask
         params = [c.req.params for c in chunks]
-        top_cap, nlp = self.mode(params)
+        top_cap, nlp, _ = self.mode(params)
         static = dict(
             top_cap=top_cap,
             num_logprobs=nlp,
             keep_logits=keep_logits,
             greedy_only=not any(self.samples(p) for p in params),
             penalized=any(penalized(p) for p in params),
+            controlled=any(controlled(p) for p in params),
+            masked=any(c.req.grammar is not None for c in chunks),
         )
         if batch.is_decode:
             return self._decode(chunks, batch.planned, **static)
@@ -175,6 +189,18 @@ class StepKind:
             is_decode=True,
             **static,
         )
+
+    def advance_grammars(self, batch: Batch, ids: list[int]) -> None:
+        """The structured-output requests of a resolved step take its tokens, and their
+        table rows then hold the masks of their next samples."""
+        table = self.pools.requests
+        for i, c in enumerate(batch.chunks):
+            req = c.req
+            if req.grammar is None or req.status is not Status.RUNNING or req.lease is None:
+                continue  # none, or a step that rode along after it finished
+            if batch.is_decode or c.completes_prompt:
+                req.grammar.accept(ids[i])
+                req.grammar.fill_bitmask(table.grammar, req.lease.req_row)
 
     def last_rows(self, chunks: list[Chunk]) -> torch.Tensor:
         """The rows a decode step of a multi-channel kind reads (a token kind reads ids)."""
@@ -246,71 +272,3 @@ def _lease(c: Chunk) -> Lease:
 def _out_pos(chunks: list[Chunk]) -> list[int]:
     """The output index each chunk samples at (a mid-prompt chunk's token is discarded)."""
     return [c.out_pos if c.out_pos >= 0 else len(c.req.output_ids) for c in chunks]
-
-
-PROMPT_SLICE = 64  # prompt positions whose logits one pass of _prompt_logprobs holds
-
-
-class TokenStep(StepKind):
-    """The token step: one forward and one sampled token per row."""
-
-    def step(self, batch: StepBatch) -> StepOutput:
-        """One forward + sample. Shapes are fixed by ``batch``: capture-safe."""
-        hidden = forward_all(self.model, batch)
-        logits = self.model.compute_logits(last_rows(hidden, batch))
-        s, rows = batch.pools.requests, batch.req_rows
-        assert isinstance(s, TokenSampling)
-        processed = logits  # logprobs are the raw model's (vLLM's default)
-        if batch.penalized:
-            processed = apply_penalties(
-                logits,
-                s.counts[rows],
-                s.prompt_seen[rows],
-                s.repetition[rows],
-                s.frequency[rows],
-                s.presence[rows],
-            )
-        next_ids = sample(
-            processed,
-            s.temperature[rows],
-            s.top_k[rows],
-            s.top_p[rows],
-            s.seed[rows],
-            batch.out_pos,
-            self.tok_hash,
-            batch.top_cap,
-            batch.greedy_only,
-        )
-        if batch.penalized:  # the step's kept samples count towards the next step's penalties
-            s.counts.index_put_((rows, next_ids), batch.keeps.to(s.counts.dtype), accumulate=True)
-        out = StepOutput(next_ids, logits)
-        if batch.num_logprobs > 0:
-            out.chosen_lp, out.chosen_rank, out.top_lp, out.top_ids = token_logprobs(
-                logits, next_ids, batch.num_logprobs
-            )
-        if batch.prompt_rows:  # eager prefill: every position's next prompt token
-            out.prompt_lp, out.prompt_rank, out.prompt_top_lp, out.prompt_top_ids = (
-                self._prompt_logprobs(hidden, batch)
-            )
-        return out
-
-    def _prompt_logprobs(self, hidden: torch.Tensor, batch: StepBatch) -> tuple[torch.Tensor, ...]:
-        """``token_logprobs`` of the next prompt tokens ``[B, T]`` (and the top ``[B, T, k]``) for
-        the rows that want them, ``PROMPT_SLICE`` positions at a time (a vocabulary of logits
-        per position); the other rows hold zeros."""
-        assert batch.prompt_targets is not None
-        b, t, k = hidden.shape[0], hidden.shape[1], batch.prompt_logprobs
-        dev, rows = hidden.device, torch.tensor(batch.prompt_rows, device=hidden.device)
-        out = [
-            torch.zeros(b, t, device=dev),
-            torch.zeros(b, t, dtype=torch.int64, device=dev),
-            torch.zeros(b, t, k, device=dev),
-            torch.zeros(b, t, k, dtype=torch.int64, device=dev),
-        ]
-        picked, targets = hidden[rows], batch.prompt_targets.clamp_min(0)
-        for a in range(0, t, PROMPT_SLICE):
-            logits = self.model.compute_logits(picked[:, a : a + PROMPT_SLICE])
-            parts = token_logprobs(logits, targets[:, a : a + PROMPT_SLICE], k)
-            for whole, part in zip(out, parts, strict=True):
-                whole[rows, a : a + PROMPT_SLICE] = part.to(whole.dtype)
-        return tuple(out)

@@ -17,11 +17,12 @@ place, the rest inert padding). ``StepOutput`` is what a step returns.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
+
+from hyloop.graphs.request_table import RequestTable, column
 
 __all__ = [
     "CaptureBuffer",
@@ -34,7 +35,6 @@ __all__ = [
     "row_fields",
 ]
 
-T = TypeVar("T", bound="RequestTable")
 _PADDING_ROW = -1  # stands for the pool's padding row (``CaptureBuffer.init``)
 
 
@@ -86,9 +86,12 @@ class StepBatch:
     num_logprobs: int = 0  # static: top logprobs returned per row
     keep_logits: bool = False  # static: the output keeps the logits
     greedy_only: bool = False  # static, eager steps only: every row is greedy
-    # static: apply the per-request penalties (captured steps always do: a neutral row's are
-    # exact no-ops); eager steps only when some row has one
+    # static: the penalties, the logits controls (``controls.py``) and the structured-output
+    # token masks; an eager step applies each when some row has one, a captured step all
+    # three or none (``mode``)
     penalized: bool = False
+    controlled: bool = False
+    masked: bool = False
     # eager prefill only: the rows that want prompt logprobs, the top ones kept per position,
     # and those rows' next prompt token at each position ``[len(prompt_rows), T]`` (-1: none)
     prompt_rows: tuple[int, ...] = ()
@@ -102,9 +105,10 @@ class StepBatch:
         return self.input_ids.shape[0]
 
     @property
-    def mode(self) -> tuple[int, int]:
-        """The sampling mode flags an artifact is specialised on besides its two sizes."""
-        return (self.top_cap, self.num_logprobs)
+    def mode(self) -> tuple[int, int, bool]:
+        """The sampling mode an artifact is specialised on besides its two sizes: a captured
+        step with ``controls`` applies all three kinds (a plain batch's artifact none)."""
+        return (self.top_cap, self.num_logprobs, self.penalized or self.controlled or self.masked)
 
     @property
     def seq_lens(self) -> torch.Tensor:
@@ -167,72 +171,6 @@ class StepOutput:
         return StepOutput(**joined)
 
 
-@dataclass(frozen=True)
-class Column:
-    dtype: torch.dtype
-    pad: float | int
-    of: Callable[[Any], Any] | None  # the request's value (host); None: reset to ``pad``
-    shape: tuple[int | str, ...]  # trailing dims; a str names a dim given to ``allocate``
-    marks: bool = False  # ``of`` gives the indices of a ``[n]`` row that hold 1 (the rest pad)
-
-
-def column(
-    dtype: torch.dtype,
-    pad: float | int,
-    of: Callable[[Any], Any] | None = None,
-    shape: tuple[int | str, ...] = (),
-    marks: bool = False,
-) -> Any:
-    """Declare a per-request tensor of a ``RequestTable``: its dtype, the value of the padding
-    row (and of a row before a request takes it), and how a request's value is computed
-    (``of(request)``; None for state that the step updates itself, reset when a row is taken;
-    ``marks``: the indices set to 1, as a mask over a vocabulary)."""
-    return field(default=None, metadata={"column": Column(dtype, pad, of, shape, marks)})
-
-
-@dataclass
-class RequestTable:
-    """Per-request device tensors ``[rows, *shape]``: every dataclass field of a subclass
-    declared with ``column``. Row ``r`` belongs to the request holding req->token row ``r``;
-    the last row is the padding request's and keeps the pad values."""
-
-    def __post_init__(self) -> None:
-        self._owner: list[Any] = []
-
-    @classmethod
-    def columns(cls) -> dict[str, Column]:
-        plain = [f.name for f in dataclasses.fields(cls) if "column" not in f.metadata]
-        if plain:
-            raise TypeError(f"{cls.__name__}.{plain[0]}: declare request tensors with column()")
-        return {f.name: f.metadata["column"] for f in dataclasses.fields(cls)}
-
-    @classmethod
-    def allocate(cls: type[T], rows: int, device: torch.device | str, **dims: int) -> T:
-        tensors = {}
-        for name, c in cls.columns().items():
-            shape = tuple(dims[d] if isinstance(d, str) else d for d in c.shape)
-            tensors[name] = torch.full((rows, *shape), c.pad, dtype=c.dtype, device=device)
-        table = cls(**tensors)
-        table._owner = [None] * rows
-        return table
-
-    def take(self, row: int, req: Any) -> None:
-        """``req`` holds ``row`` now: write its values there (host, once per request)."""
-        if self._owner[row] is req:
-            return
-        self._owner[row] = req
-        for name, c in self.columns().items():
-            t: torch.Tensor = getattr(self, name)
-            value = c.pad if c.of is None else c.of(req)
-            if c.marks:
-                t[row] = c.pad
-                t[row, torch.as_tensor(value, dtype=torch.int64, device=t.device)] = 1
-            elif isinstance(value, int | float):
-                t[row] = value
-            else:
-                t[row].copy_(torch.as_tensor(value, dtype=c.dtype), non_blocking=True)
-
-
 @dataclass
 class CaptureBuffer:
     """Persistent row buffers of ``max_bs`` rows that captured steps read, updated in place."""
@@ -254,9 +192,7 @@ class CaptureBuffer:
             if f.name == "input_ids" and channels:
                 shape = (max_bs, 1, channels)
             rows[f.name] = torch.zeros(shape, dtype=torch.int64, device=device)
-        full = StepBatch(
-            **rows, pools=pools, kv_len=kv_len, is_decode=True, keep_logits=True, penalized=True
-        )
+        full = StepBatch(**rows, pools=pools, kv_len=kv_len, is_decode=True, keep_logits=True)
         buffer = cls(full)
         buffer.fill_padding(buffer.full)
         return buffer
@@ -265,13 +201,23 @@ class CaptureBuffer:
     def max_bs(self) -> int:
         return self.full.batch_size
 
-    def view(self, bs: int, kv_len: int, top_cap: int = 0, num_logprobs: int = 0) -> StepBatch:
-        """The first ``bs`` rows (shared storage) with these static values."""
+    def view(
+        self, bs: int, kv_len: int, top_cap: int = 0, num_logprobs: int = 0, controls: bool = False
+    ) -> StepBatch:
+        """The first ``bs`` rows (shared storage) with these static values; ``controls``: every
+        per-request control applied (a neutral row's are exact no-ops)."""
         if not 1 <= bs <= self.max_bs:
             raise ValueError(f"CaptureBuffer.view: bs {bs}, expected 1..{self.max_bs}")
         rows = {f.name: getattr(self.full, f.name)[:bs] for f in row_fields()}
+        flags = dict(penalized=controls, controlled=controls, masked=controls)
         return dataclasses.replace(
-            self.full, **rows, kv_len=kv_len, top_cap=top_cap, num_logprobs=num_logprobs, meta={}
+            self.full,
+            **rows,
+            kv_len=kv_len,
+            top_cap=top_cap,
+            num_logprobs=num_logprobs,
+            meta={},
+            **flags,
         )
 
     @staticmethod
@@ -287,7 +233,7 @@ class CaptureBuffer:
             )
         if batch.mode != view.mode:
             raise ValueError(
-                f"CaptureBuffer.copy_from: sampling mode (top_cap, num_logprobs) {batch.mode}, "
+                f"CaptureBuffer.copy_from: mode (top_cap, num_logprobs, controls) {batch.mode}, "
                 f"expected {view.mode}"
             )
         for f in row_fields():

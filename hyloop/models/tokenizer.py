@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tokenizers import Tokenizer
+from tokenizers import AddedToken, Tokenizer
 
 from hyloop.models.loaders.hf import read_json
 
@@ -35,6 +35,7 @@ class TextTokenizer:
         self._pp_bos = post_processor_adds_bos
         self.eos_ids = list(eos_ids or [])
         self.name_or_path = name_or_path
+        self._added: dict[int, AddedToken] | None = None
 
     # -- HF's attributes ------------------------------------------------------------------------
     @property
@@ -74,6 +75,13 @@ class TextTokenizer:
     def all_special_ids(self) -> list[int]:
         ids = {self.bos_id, *self.eos_ids}
         return sorted(i for i in ids if i is not None)
+
+    @property
+    def added_tokens_decoder(self) -> dict[int, AddedToken]:
+        """HF's map of added token ids to their ``AddedToken`` (``.content``, ``.special``)."""
+        if self._added is None:
+            self._added = dict(self.tokenizer.get_added_tokens_decoder())
+        return self._added
 
     def get_vocab(self) -> dict[str, int]:
         return self.tokenizer.get_vocab(with_added_tokens=True)

@@ -1,6 +1,6 @@
 """The input side of ``hyloop run-batch``: each line of an OpenAI Batch file checked, without
-the model, into the request it asks for (its prompt, its SamplingParams fields, its chat
-template keywords) or the error its output line reports."""
+the model, into the request it asks for (its prompt, its SamplingParams fields, its output
+constraint, its chat template keywords) or the error its output line reports."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any
 
 from hyloop.framework.chat import check_messages
 from hyloop.framework.sampling_params import NotSupportedError, SamplingParams
+from hyloop.recipes.openai_constraints import GUIDED, structured_outputs
 
 CHAT, COMPLETION = "/v1/chat/completions", "/v1/completions"
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
@@ -23,21 +24,25 @@ SAMPLING = (
     *("temperature", "top_p", "n", "seed", "stop", "presence_penalty", "frequency_penalty"),
     *("logit_bias", "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids"),
     *("skip_special_tokens", "min_tokens", "truncate_prompt_tokens"),
+    *("include_stop_str_in_output", "spaces_between_special_tokens"),
+    *("allowed_token_ids", "bad_words"),
 )
 _CHAT_ONLY = {
     *("messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt"),
     *("continue_final_message", "chat_template", "chat_template_kwargs"),
+    "bad_words",  # vLLM's completions take no bad_words
 }
 _COMPLETION_ONLY = {"prompt", "echo", "suffix", "best_of"}
-_COMMON = {"model", "max_tokens", "logprobs", "user", "parallel_tool_calls", "stream", *SAMPLING}
+_COMMON = {
+    *("model", "max_tokens", "logprobs", "user", "parallel_tool_calls", "stream", *SAMPLING),
+    *("response_format", "structured_outputs", *GUIDED),
+} - _CHAT_ONLY
 FIELDS = {CHAT: _COMMON | _CHAT_ONLY, COMPLETION: _COMMON | _COMPLETION_ONLY}
 # OpenAI / vLLM fields hyloop has no control for: fine at a neutral value, refused otherwise.
 UNSUPPORTED = {
-    *("tools", "tool_choice", "functions", "function_call", "response_format", "audio"),
-    *("stream_options", "modalities", "prediction", "reasoning_effort", "web_search_options"),
-    *("service_tier", "store", "metadata", "structured_outputs", "guided_json", "guided_regex"),
-    *("guided_choice", "guided_grammar", "allowed_token_ids", "bad_words", "prompt_logprobs"),
-    *("include_stop_str_in_output", "echo", "suffix", "stream"),
+    *("tools", "tool_choice", "functions", "function_call", "audio", "stream_options"),
+    *("modalities", "prediction", "reasoning_effort", "web_search_options", "service_tier"),
+    *("store", "metadata", "prompt_logprobs", "echo", "suffix", "stream"),
 }
 # render_chat's own parameters, which chat_template_kwargs may not set.
 _RESERVED_KWARGS = {
@@ -203,6 +208,9 @@ def sampling_fields(where: str, url: str, body: dict[str, Any]) -> dict[str, Any
             out["logprobs"] = logprobs
         if body.get("best_of") is not None:
             out["best_of"] = body["best_of"]
+    constraint = structured_outputs(where, body)
+    if constraint is not None:
+        out["structured_outputs"] = constraint
     SamplingParams(**out).validate(f"{where}: body")
     return out
 

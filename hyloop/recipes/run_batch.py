@@ -192,6 +192,9 @@ def _row_error(row: BatchRow, error: Exception) -> RowError:
     if str(err).startswith(row.where):
         return err
     message = str(err).removeprefix(f"request {row.request_id!r}: ")  # the engine's naming
+    params = f"request {row.request_id!r} sampling_params"  # its SamplingParams: the body's
+    if message.startswith(params):
+        message = "body" + message[len(params) :]
     return RowError(f"{row.where}: {message}", err.status, err.code)
 
 

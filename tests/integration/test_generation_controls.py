@@ -190,3 +190,39 @@ def test_prompt_logprobs_equal_transformers(ckpt: Path, hf: torch.nn.Module) -> 
         assert entry[tok].rank == int((ref[pos - 1] > ref[pos - 1, tok]).sum()) + 1
         top = ref[pos - 1].topk(2).indices.tolist()
         assert set(top) <= set(entry) and all(entry[t].rank == r for r, t in enumerate(top, 1))
+
+
+def test_n4_keeps_one_copy_of_the_prompt_and_one_abort_leaves_the_rest(ckpt: Path) -> None:
+    """Pool use while four samples run: one copy of the prompt (the forks read the first one's
+    through the tree and compute only its last position, whose logits they sample), plus each
+    sample's own tokens; aborting sample 1 ends it alone."""
+    long_prompt = [(7 * i) % 200 + 3 for i in range(96)]
+    overrides = [*EAGER, "cache.enable=true", "kv_pool.page_size=1"]
+    with LLM(model=ckpt, overrides=overrides) as llm:
+        eng = llm.engine
+        used0 = llm.stats()["kv_full_tokens_used"]
+        params = SamplingParams(n=4, temperature=1.0, max_tokens=30, seed=2, ignore_eos=True)
+        eng.add_request("p", long_prompt, params)
+        outs = []
+        while len(eng.scheduler.running) < 4 or any(
+            len(r.output_ids) < 8 for r in eng.scheduler.running
+        ):
+            outs += eng.step()
+        used = llm.stats()["kv_full_tokens_used"] - used0
+        # each sample's own slots: its output budget (reserved at admission) and, for the
+        # forks that hit the first one's prompt, the last prompt position they compute
+        own = sum(r.max_new for r in eng.scheduler.running) + 3
+        assert used <= len(long_prompt) + own, (used, own)
+        assert sum(r.num_cached for r in eng.scheduler.running) == 3 * (len(long_prompt) - 1)
+        eng.abort_request("1_p")
+        while eng.has_unfinished_requests():
+            outs += eng.step()
+        final = [o for o in outs if o.finished]
+        assert [o.request_id for o in final] == ["p"]
+        reasons = [c.finish_reason for c in final[0].outputs]
+        assert reasons == ["length", "abort", "length", "length"]
+        assert [len(c.token_ids) for c in final[0].outputs if c.finish_reason == "length"] == [
+            30
+        ] * 3
+        eng.check_invariants()
+        assert llm.stats()["kv_full_tokens_used"] - used0 == eng.cache.tree.total_size()

@@ -11,9 +11,10 @@ import importlib.util
 import io
 import json
 import logging
+import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,6 +26,7 @@ from hyloop.cli import main
 from hyloop.framework.chat import render_chat
 from hyloop.recipes import run_batch
 from hyloop.recipes.openai_batch import CHAT, COMPLETION, RowError, sampling_fields
+from hyloop.sampling_params import StructuredOutputsParams
 
 pytestmark = pytest.mark.slow
 
@@ -197,7 +199,7 @@ ROWS: list[dict[str, Any] | str] = [
 ERRORS = {1: "'temprature'", 5: "context limit 512", 6: "token id 99999999"}
 
 
-def write_rows(path: Path, rows: list[dict[str, Any] | str]) -> Path:
+def write_rows(path: Path, rows: Sequence[dict[str, Any] | str]) -> Path:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return path
 
@@ -330,6 +332,92 @@ def test_greedy_rows_equal_generate(
         assert entry.bytes == list(entry.token.encode())
 
 
+# -- output constraints and token controls ---------------------------------------------------
+COLORS = ["red", "green", "blue"]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "color": {"enum": COLORS},
+        "n": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+    "required": ["color", "n"],
+}
+CHOICES = ["blue", "green"]
+JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "color", "schema": SCHEMA}}
+
+
+def constrained_rows(yes: int, no: int) -> list[dict[str, Any]]:
+    """Rows whose outputs a check can tell apart; ``yes`` and ``no``: the tokens " yes", " no"."""
+    greedy = {"temperature": 0, "max_tokens": 40}
+    # options of the response_format's schema: no whitespace, no keys the schema does not name
+    compact = {"disable_any_whitespace": True, "disable_additional_properties": True}
+    return [
+        chat_row(
+            "json",
+            "Answer in JSON.",
+            response_format=JSON_FORMAT,
+            structured_outputs=compact,
+            **greedy,
+        ),
+        completion_row("choice", prompt="The sky is", guided_choice=CHOICES, **greedy),
+        completion_row(
+            "regex", prompt="My PIN:", structured_outputs={"regex": "[0-9]{3}"}, **greedy
+        ),
+        # " yes" is a bad word, so of the allowed tokens only " no" is left
+        chat_row("words", "Say yes.", allowed_token_ids=[yes, no], bad_words=["yes"], max_tokens=6),
+        chat_row("big-id", "Hi.", allowed_token_ids=[99999999], max_tokens=2),
+        completion_row(
+            "any-json",
+            prompt='{"name": "Ann", "age": 3}\n',
+            response_format={"type": "json_object"},
+            structured_outputs={"disable_any_whitespace": True},
+            **greedy,
+        ),
+    ]
+
+
+@pytest.fixture(scope="module")
+def constrained_out(
+    gguf: Path, llm: LLM, tmp_path_factory: pytest.TempPathFactory
+) -> list[dict[str, Any]]:
+    yes, no = (llm.tokenizer.encode(w, add_special_tokens=False) for w in (" yes", " no"))
+    assert len(yes) == len(no) == 1
+    tmp = tmp_path_factory.mktemp("run_batch_constrained")
+    src = write_rows(tmp / "in.jsonl", constrained_rows(yes[0], no[0]))
+    dst = tmp / "out.jsonl"
+    argv = ["run-batch", "-i", str(src), "-o", str(dst), "--model", str(gguf), "--no-progress"]
+    assert main([*argv, "--max-model-len", "512", "graphs.backend=eager"]) == 0
+    return read_lines(dst)
+
+
+def test_constrained_rows_follow_their_constraints(constrained_out: list[dict[str, Any]]) -> None:
+    lines = constrained_out
+    chat = body_of(lines[0])
+    assert isinstance(chat, ChatCompletion) and chat.choices[0].message.content is not None
+    value = json.loads(chat.choices[0].message.content)
+    assert set(value) == {"color", "n"} and value["color"] in COLORS
+    assert isinstance(value["n"], int) and chat.choices[0].finish_reason == "stop"
+    choice, regex = body_of(lines[1]), body_of(lines[2])
+    assert isinstance(choice, Completion) and choice.choices[0].text in CHOICES
+    assert isinstance(regex, Completion) and re.fullmatch("[0-9]{3}", regex.choices[0].text)
+    words = body_of(lines[3])
+    assert isinstance(words, ChatCompletion) and words.usage.completion_tokens == 6
+    assert words.choices[0].message.content == " no" * 6
+    any_json = body_of(lines[5])
+    assert isinstance(any_json, Completion) and any_json.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(any_json.choices[0].text), dict)
+
+
+def test_token_ids_outside_the_vocab_are_a_row_error(
+    constrained_out: list[dict[str, Any]],
+) -> None:
+    line = constrained_out[4]
+    validate_line(line)
+    assert line["error"] is not None and line["response"]["status_code"] == 400
+    assert line["error"]["message"].startswith("line 5: body.allowed_token_ids")
+    assert [i for i, x in enumerate(constrained_out) if x["error"]] == [4]
+
+
 # -- checks before the model loads ------------------------------------------------------------
 def raw(**fields: Any) -> str:
     return json.dumps(fields)
@@ -341,6 +429,15 @@ def bad_body(url: str, **body: Any) -> str:
 
 MSG = [{"role": "user", "content": "hi"}]
 ONE = {"prompt": "a"}
+OBJECT = {"type": "json_object"}
+NEW_TAG = {"type": "structural_tag", "format": {"type": "const_string", "value": "a"}}
+
+
+def schema_format(**json_schema: Any) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": json_schema}
+
+
+BAD_SCHEMA = schema_format(name="x", schema={"type": "objekt"})
 # (input line, what its error message names); no line is valid, so the model never loads.
 CASES: list[tuple[str, str]] = [
     ("{not json", "invalid JSON"),
@@ -357,10 +454,10 @@ CASES: list[tuple[str, str]] = [
     (bad_body(CHAT, messages=[{"role": "user", "content": 3}]), "messages[0].content"),
     (bad_body(CHAT, messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "image_url"),
     (bad_body(CHAT, model=OTHER_MODEL), "`messages`"),
-    (bad_body(CHAT, messages=MSG, min_tokens=2), "body.min_tokens=2"),
-    (bad_body(CHAT, messages=MSG, stop=["\n"]), "body.stop"),
-    (bad_body(CHAT, messages=MSG, bad_words=["x"]), "body.bad_words"),
-    (bad_body(CHAT, messages=MSG, logit_bias={"50": 5}), "body.logit_bias"),
+    (bad_body(CHAT, messages=MSG, min_tokens=-1), "body.min_tokens"),
+    (bad_body(CHAT, messages=MSG, stop=[""]), "body.stop"),
+    (bad_body(CHAT, messages=MSG, bad_words=[3]), "body.bad_words"),
+    (bad_body(CHAT, messages=MSG, logit_bias={"x": 5}), "body.logit_bias"),
     (bad_body(CHAT, messages=MSG, temperature="hot"), "body.temperature"),
     (bad_body(CHAT, messages=MSG, max_completion_tokens=0), "body.max_completion_tokens"),
     (bad_body(CHAT, messages=MSG, top_logprobs=3), "needs body.logprobs"),
@@ -374,7 +471,30 @@ CASES: list[tuple[str, str]] = [
     (bad_body(COMPLETION, prompt=[1, "a"]), "body.prompt"),
     (bad_body(COMPLETION, prompt="a", logprobs=True), "body.logprobs"),
     (bad_body(COMPLETION, prompt="a", messages=MSG), "unknown field 'messages'"),
-    (bad_body(COMPLETION, prompt="a", min_p=0.1), "body.min_p"),
+    (bad_body(COMPLETION, prompt="a", min_p=1.5), "body.min_p"),
+    (bad_body(COMPLETION, prompt="a", bad_words=["x"]), "unknown field 'bad_words'"),
+    (bad_body(CHAT, messages=MSG, allowed_token_ids=[]), "body.allowed_token_ids"),
+    (bad_body(CHAT, messages=MSG, response_format={"type": "xml"}), "body.response_format"),
+    (bad_body(CHAT, messages=MSG, response_format="json"), "body.response_format"),
+    (bad_body(CHAT, messages=MSG, response_format={"type": "json_schema"}), "json_schema: got"),
+    (bad_body(COMPLETION, prompt="a", response_format=schema_format(schema={})), "with a name"),
+    (
+        bad_body(COMPLETION, prompt="a", response_format=schema_format(name="x", shema={})),
+        "'shema'",
+    ),
+    (bad_body(COMPLETION, prompt="a", response_format=BAD_SCHEMA), "json_schema.schema: "),
+    (bad_body(COMPLETION, prompt="a", response_format=NEW_TAG), "body.response_format: "),
+    (bad_body(COMPLETION, prompt="a", structured_outputs={"regex": "[0-9"}), "outputs.regex: "),
+    (bad_body(COMPLETION, prompt="a", structured_outputs={"regx": "a"}), "structured_outputs.regx"),
+    (bad_body(COMPLETION, prompt="a", structured_outputs=["a"]), "body.structured_outputs: "),
+    (bad_body(COMPLETION, prompt="a", guided_choice=[]), "body.guided_choice: "),
+    (bad_body(COMPLETION, prompt="a", guided_regex="(?=a)"), "body.guided_regex: "),
+    (bad_body(COMPLETION, prompt="a", guided_grammar=" "), "body.guided_grammar: "),
+    (bad_body(CHAT, messages=MSG, guided_json={}, guided_regex="a"), "guided_json and body.gui"),
+    (
+        bad_body(CHAT, messages=MSG, structured_outputs={"choice": ["a"]}, response_format=OBJECT),
+        "body.structured_outputs and body.response_format each set an output constraint",
+    ),
 ]
 
 
@@ -394,7 +514,9 @@ def test_file_is_checked_before_the_model_loads(
         assert message.startswith(f"line {n}: ") and needle in message, (n, message)
     assert lines[0]["custom_id"] is None and lines[8]["custom_id"] is None
     assert lines[7]["custom_id"] == "c" and lines[5]["response"]["status_code"] == 404
-    assert {line["error"]["code"] for line in lines[14:18]} == {"not_supported"}
+    assert [line["error"]["code"] for line in lines[14:18]] == ["invalid_request"] * 4, [
+        line["error"]["message"] for line in lines[14:18]
+    ]
 
 
 def test_missing_input_file_exits_2_without_loading(
@@ -431,7 +553,9 @@ def test_served_model_name_refuses_other_models(
 
 def test_cli_subprocess(tmp_path: Path, gguf: Path) -> None:
     """The module entry point, on a file no row of which is valid (so no model load)."""
-    src = write_rows(tmp_path / "in.jsonl", ["{oops", completion_row("a", prompt="x", min_p=0.1)])
+    src = write_rows(
+        tmp_path / "in.jsonl", ["{oops", completion_row("a", prompt="x", prompt_logprobs=1)]
+    )
     dst = tmp_path / "out.jsonl"
     cmd = [sys.executable, "-m", "hyloop.cli", "run-batch", "-i", str(src), "-o", str(dst)]
     proc = subprocess.run(
@@ -457,6 +581,38 @@ def test_body_fields_map_onto_sampling_params() -> None:
     assert sampling_fields("line 1", COMPLETION, {"prompt": "a", "logprobs": 0}) == {"logprobs": 0}
     with pytest.raises(RowError, match="differ"):
         sampling_fields("line 1", CHAT, {**chat, "max_tokens": 4})
+
+
+def test_constraint_fields_map_onto_structured_outputs() -> None:
+    def constraint(**body: Any) -> StructuredOutputsParams | None:
+        return sampling_fields("line 1", COMPLETION, {**ONE, **body}).get("structured_outputs")
+
+    assert constraint(response_format={"type": "text"}) is None
+    assert constraint(response_format=JSON_FORMAT) == StructuredOutputsParams(json=SCHEMA)
+    no_schema = {"type": "json_schema", "json_schema": {"name": "x", "strict": True}}
+    assert constraint(response_format=no_schema) is None  # vLLM: nothing to follow
+    assert constraint(response_format={"type": "json_object"}) == StructuredOutputsParams(
+        json_object=True
+    )
+    options = {"disable_additional_properties": True, "whitespace_pattern": " ?"}
+    assert constraint(structured_outputs=options) is None
+    assert constraint(structured_outputs=options, guided_grammar='root ::= "a"') == (
+        StructuredOutputsParams(grammar='root ::= "a"', **options)
+    )
+    assert constraint(guided_json=SCHEMA) == StructuredOutputsParams(json=SCHEMA)
+    assert constraint(structured_outputs={"choice": CHOICES}) == StructuredOutputsParams(
+        choice=CHOICES
+    )
+    tag = {"type": "structural_tag", "triggers": ["<f"]}
+    tag["structures"] = [{"begin": "<f>", "schema": SCHEMA, "end": "</f>"}]
+    assert constraint(response_format=tag) == StructuredOutputsParams(
+        structural_tag=json.dumps(tag)
+    )
+    chat = {"messages": MSG, "allowed_token_ids": [1, 2], "bad_words": ["x"]}
+    assert sampling_fields("line 1", CHAT, chat) == {
+        "allowed_token_ids": [1, 2],
+        "bad_words": ["x"],
+    }
 
 
 def test_ordered_writer_flushes_the_contiguous_prefix() -> None:

@@ -113,14 +113,16 @@ class BucketRunner:
 
     # -- capture --------------------------------------------------------------------------------
     def capture(
-        self, kv_lens: Iterable[int] | None = None, modes: Iterable[tuple[int, int]] = ((0, 0),)
+        self,
+        kv_lens: Iterable[int] | None = None,
+        modes: Iterable[tuple[int, int] | tuple[int, int, bool]] = ((0, 0),),
     ) -> list[ArtifactKey]:
         """Capture every batch bucket, largest first, for each ``kv_len`` bucket (default: all)
         and mode; returns the keys now captured."""
         kv_keys = self.kv_len_buckets if kv_lens is None else [self.kv_bucket(k) for k in kv_lens]
         keys = [
-            ArtifactKey(bs, kv, cap, nlp)
-            for cap, nlp in modes
+            ArtifactKey(bs, kv, *mode)
+            for mode in modes
             for kv in sorted({k for k in kv_keys if k is not None}, reverse=True)
             for bs in reversed(self.buckets)
         ]
@@ -151,7 +153,7 @@ class BucketRunner:
             return artifact
         start = time.perf_counter()
         log.info("%s: capturing %s with %s", self.name, key.label(), self.backend)
-        view = self.buffer.view(key.batch, key.kv_len, key.top_cap, key.num_logprobs)
+        view = self.buffer.view(key.batch, key.kv_len, key.top_cap, key.num_logprobs, key.controls)
         # NOTE: warm-up and capture run on all-padding rows, which write only the padding sinks.
         CaptureBuffer.fill_padding(view)
         with torch.inference_mode():

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hyloop.graphs.sampler import sample
+from hyloop.graphs.sampler import sample, window_repetition_penalty
 from hyloop.graphs.step_batch import StepBatch
 from hyloop.models.arch.llama import DecoderBody, DenseCausalLM, DenseSpec
 from hyloop.models.contract import RowLayout, contract_of
@@ -270,7 +270,7 @@ class MossTTSLocalLM(nn.Module):
         code_logits: list[torch.Tensor] = []
         for c in range(n_vq):
             logits = self.audio_heads[c](h).float()
-            logits = _repetition_penalty(logits, s.history[:, :, c], penalty)
+            logits = window_repetition_penalty(logits, s.history[:, :, c], penalty)
             code = sample(
                 logits,
                 s.audio_temperature,
@@ -298,18 +298,3 @@ class MossTTSLocalLM(nn.Module):
         rows = torch.where(stop.unsqueeze(1), ended, cont)
         kept = (stop_logits, torch.stack(code_logits, dim=1)) if keep_logits else None
         return FrameOutput(rows, stop, code_rows, kept)
-
-
-def _repetition_penalty(
-    logits: torch.Tensor, codes: torch.Tensor, penalty: torch.Tensor
-) -> torch.Tensor:
-    """HF repetition penalty on ``logits [B, V]`` for ``codes [B, W]`` (-1 = empty): a seen
-    code's logit shrinks towards (or below) zero by ``penalty [B, 1]``. The W seen logits are
-    gathered and scattered back penalised (a repeat writes the same value twice, empties land in a
-    spare column): a [B, V] presence mask per codebook is far dearer in a compiled step."""
-    b, v = logits.shape
-    padded = torch.cat([logits, logits.new_zeros(b, 1)], dim=1)
-    idx = torch.where((codes >= 0) & (codes < v), codes, v)
-    seen = padded.gather(1, idx)
-    penalised = torch.where(seen < 0, seen * penalty, seen / penalty)
-    return padded.scatter(1, idx, penalised)[:, :v]

@@ -29,8 +29,13 @@ LOOP_MODULES = {
     "hyloop.framework.step_kinds",
 }
 # The public front ends (and assembly) are the only importers of the engine; the package root
-# exports it as vLLM's ``LLMEngine``.
-ENGINE_IMPORTERS = {"hyloop.framework.llm", "hyloop.framework.assembly", "hyloop.__init__"}
+# exports it as vLLM's ``LLMEngine``; beam search is ``LLM.beam_search``'s driver over it.
+ENGINE_IMPORTERS = {
+    "hyloop.framework.llm",
+    "hyloop.framework.assembly",
+    "hyloop.framework.beam_search",
+    "hyloop.__init__",
+}
 LOOP_SURFACE = {"step", "busy", "close"}
 
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 from conftest import load_hf_model
 
-from hyloop.framework.step_kinds import TokenSampling, TokenStep
+from hyloop.framework.token_sampling import TokenSampling
+from hyloop.framework.token_step import TokenStep
 from hyloop.graphs.capture.backends import GUARD_EVERY, CompiledStep, RecompileError
 from hyloop.graphs.capture.bucket_runner import BucketRunner
 from hyloop.graphs.capture.buckets import ArtifactKey, kv_len_buckets, pick_bucket
@@ -60,7 +61,9 @@ class ToyPools:
         kv = ints(1 + MAX_REQS * MAX_CTX, DIM)
         tensors = (kv, table, ints(VOCAB, DIM), ints(DIM, VOCAB, lo=-2, hi=3))
         kv, table, emb, w = (t.to(device) for t in tensors)
-        sampling = TokenSampling.allocate(MAX_REQS + 1, device, vocab=VOCAB)
+        sampling = TokenSampling.allocate(
+            MAX_REQS + 1, device, vocab=VOCAB, mask_words=(VOCAB + 31) // 32
+        )
         return cls(kv, table, emb, w, token_hashes(VOCAB, device), sampling)
 
     def step_pools(self) -> StepPools:
@@ -192,8 +195,11 @@ def test_views_refuse_what_they_were_not_built_for(pools: ToyPools) -> None:
         CaptureBuffer.copy_from(view, make_inputs(pools, 3, 8, seed=1))
     with pytest.raises(ValueError, match="kv_len 9, expected <= 8"):
         CaptureBuffer.copy_from(view, make_inputs(pools, 2, 9, seed=1))
-    with pytest.raises(ValueError, match=r"sampling mode .* \(8, 0\), expected \(0, 0\)"):
+    with pytest.raises(ValueError, match=r"mode .* \(8, 0, False\), expected \(0, 0, False\)"):
         CaptureBuffer.copy_from(view, make_inputs(pools, 2, 8, seed=1, filtered=True))
+    controlled = dataclasses.replace(make_inputs(pools, 2, 8, seed=1), controlled=True)
+    with pytest.raises(ValueError, match=r"mode .* \(0, 0, True\), expected \(0, 0, False\)"):
+        CaptureBuffer.copy_from(view, controlled)
 
 
 def test_step_batch_check_names_the_field(pools: ToyPools) -> None:
@@ -243,7 +249,7 @@ def test_compile_equals_eager_across_bucket_edges(
     assert after["graph_replays"] - before["graph_replays"] == pieces
     assert after["split_batches"] - before["split_batches"] == (n > BUCKETS[-1])
     assert (bucket := pick_bucket(BUCKETS, min(n, BUCKETS[-1]))) is not None
-    assert (bucket, pick_bucket(KV_BUCKETS, kv_len), False, 0) in after["captured"]
+    assert (bucket, pick_bucket(KV_BUCKETS, kv_len), 0, 0, False) in after["captured"]
     assert after["recompiles"] == 0
 
 
@@ -252,7 +258,7 @@ def test_sampling_mode_selects_its_own_artifact(
 ) -> None:
     inputs = make_inputs(pools, 3, 6, seed=7, filtered=True)
     assert_same(compiled.run(inputs), eager.run(inputs))
-    assert (4, 8, 8, 0) in compiled.stats()["captured"]
+    assert (4, 8, 8, 0, False) in compiled.stats()["captured"]
 
 
 def test_kv_len_beyond_the_largest_bucket_runs_eager(
@@ -333,7 +339,7 @@ def test_no_recompile_over_200_replays(
 def test_capture_starts_with_the_largest_bucket(compiled: BucketRunner) -> None:
     keys = compiled.capture(kv_lens=[8])
     assert [k.batch for k in keys] == [4, 2]
-    assert (4, 8, False, 0) in compiled.stats()["captured"]
+    assert (4, 8, 0, 0, False) in compiled.stats()["captured"]
     assert compiled.kind.prepared  # the kind heard of each capture before it ran
 
 
