@@ -8,11 +8,12 @@ land on every kind alike; each kind's best wave is reported):
 - ``controls``: every logits control on every request (repetition, presence and frequency
   penalties, min_p, logit_bias, allowed-token-free bad words, min_tokens);
 - ``json``: structured outputs, a JSON schema per request (its masks written by the resolve
-  side while the step runs), against ``json_free``: the same prompts and lengths unconstrained.
+  side while the step runs), against ``json_free``: the same prompts unconstrained, each row
+  generating as many tokens as it did in the json wave before it (the same batch shape).
 
-Decode tok/s is tokens of decode steps over time in decode steps (the engine's counters). The
-table also times the controls' own ops on neutral rows at this batch (what a plain request
-pays for them inside the captured step), against one step's time.
+Decode tok/s is tokens of decode steps over time in decode steps (the engine's counters). A batch
+with no control runs an artifact captured without the controls' ops (``ArtifactKey.controls``),
+so plain requests pay nothing for them; the table lists the artifacts each kind ran.
 
     python bench/generation_controls.py [--quick] [--json PATH] [--model GGUF]
 """
@@ -20,14 +21,12 @@ pays for them inside the captured step), against one step's time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
@@ -43,18 +42,20 @@ TEXT = (
 SCHEMA = {
     "type": "object",
     "properties": {
-        "title": {"type": "string"},
-        "author": {"type": "string"},
-        "year": {"type": "integer"},
-        "topics": {"type": "array", "items": {"type": "string"}},
+        "title": {"type": "string", "maxLength": 40},
+        "author": {"type": "string", "maxLength": 30},
+        "year": {"type": "integer", "minimum": 1400, "maximum": 2100},
+        "topics": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3},
     },
     "required": ["title", "author", "year", "topics"],
+    "additionalProperties": False,
 }
+JSON_TOKENS = 160  # enough for every bounded record to close
 
 
 def kinds(batch: int, new: int) -> dict[str, list[SamplingParams]]:
     def one(i: int, **kw: Any) -> SamplingParams:
-        return SamplingParams(temperature=0.8, seed=i, max_tokens=new, **kw)
+        return SamplingParams(**{"temperature": 0.8, "seed": i, "max_tokens": new, **kw})
 
     every = dict(
         repetition_penalty=1.1,
@@ -67,12 +68,12 @@ def kinds(batch: int, new: int) -> dict[str, list[SamplingParams]]:
     )
     from hyloop.sampling_params import StructuredOutputsParams
 
-    shaped = StructuredOutputsParams(json=SCHEMA)
+    shaped = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
     return {
         "plain": [one(i, ignore_eos=True) for i in range(batch)],
         "controls": [one(i, ignore_eos=True, **every) for i in range(batch)],
-        "json": [one(i, structured_outputs=shaped) for i in range(batch)],
-        "json_free": [one(i) for i in range(batch)],
+        "json": [one(i, structured_outputs=shaped, max_tokens=JSON_TOKENS) for i in range(batch)],
+        "json_free": [one(i, max_tokens=JSON_TOKENS) for i in range(batch)],
     }
 
 
@@ -100,30 +101,6 @@ def valid_json(text: str) -> bool:
     return isinstance(value, dict) and set(SCHEMA["required"]) <= set(value)
 
 
-def neutral_ops_ms(llm: LLM, batch: int, reps: int = 50) -> float:
-    """The controls' ops on ``batch`` neutral rows (eager, as a compiled step runs them fused
-    into its sampler), in ms per step."""
-    from hyloop.graphs.sampler import apply_controls
-
-    kind = llm.llm_engine.kind
-    s = kind.pools.requests
-    rows = torch.full((batch,), kind.pools.padding_row, dtype=torch.int64)
-    logits = torch.randn(batch, kind.vocab_size)
-    below = torch.zeros(batch, dtype=torch.bool)
-
-    def ops() -> torch.Tensor:
-        x = kind._grammar_mask(logits, s.grammar, rows)
-        return apply_controls(
-            x, s.bias[rows], s.words[rows], s.recent[rows], s.min_stop[rows], below
-        )
-
-    ops()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        ops()
-    return (time.perf_counter() - t0) / reps * 1e3
-
-
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     from hyloop.recipes.offline import default_checkpoint
 
@@ -144,13 +121,20 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         llm.generate(prompts, params["plain"][:], use_tqdm=False)  # capture + warm up
         llm.generate(prompts, params["json"][:], use_tqdm=False)
         best: dict[str, dict[str, Any]] = {}
+        last_json: list[int] = []
         for _ in range(args.waves):
             for name, ps in params.items():
+                if name == "json_free":  # the json wave's shape: each row its json length
+                    ps = [
+                        dataclasses.replace(p, max_tokens=n, ignore_eos=True)
+                        for p, n in zip(ps, last_json, strict=True)
+                    ]
                 r = wave(llm, prompts, ps)
+                if name == "json":
+                    last_json = r["lengths"]
                 if r["decode_tok_s"] > best.get(name, {}).get("decode_tok_s", 0.0):
                     best[name] = r
-        step_ms = 1e3 * args.batch / best["plain"]["decode_tok_s"]
-        ops_ms = neutral_ops_ms(llm, args.batch)
+        captured = [list(k) for k in llm.llm_engine.graphs.runner.stats()["captured"]]
     parsed = sum(valid_json(t) for t in best["json"]["texts"])
     return {
         "cpu": cpu_name(),
@@ -160,8 +144,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "kinds": {k: {kk: vv for kk, vv in v.items() if kk != "texts"} for k, v in best.items()},
         "json_valid": f"{parsed}/{args.batch}",
         "json_texts": best["json"]["texts"],
-        "step_ms": step_ms,
-        "neutral_control_ops_ms": ops_ms,
+        "captured": captured,  # (batch, kv_len, top_cap, num_logprobs, controls)
         "controls_vs_plain": best["controls"]["decode_tok_s"] / best["plain"]["decode_tok_s"],
         "json_vs_free": best["json"]["decode_tok_s"] / best["json_free"]["decode_tok_s"],
     }
@@ -196,10 +179,9 @@ def main() -> None:
         f"json / unconstrained: {r['json_vs_free']:.2f}x (goal >= 0.8); "
         f"valid JSON {r['json_valid']}"
     )
-    print(
-        f"neutral rows' control ops: {r['neutral_control_ops_ms']:.2f} ms of a "
-        f"{r['step_ms']:.1f} ms step"
-    )
+    for name, bit in (("without controls", 0), ("with controls", 1), ("with masks", 2)):
+        keys = sorted({tuple(k[:4]) for k in r["captured"] if (k[4] & bit if bit else not k[4])})
+        print(f"artifacts {name}: {keys}")
     write_json(r, args.json)
 
 

@@ -191,6 +191,17 @@ def load_hf_model(path: Path) -> Any:
 
 
 @pytest.fixture(scope="session")
+def gguf_path() -> Path:
+    """SmolLM2-135M-Instruct's GGUF file (the built-in default), or a skip saying why not."""
+    from hyloop.recipes.offline import default_checkpoint
+
+    try:
+        return default_checkpoint()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
 def tiny_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ckpts")
     return {name: build_hf_checkpoint(root / name, cfg) for name, cfg in TINY_DENSE.items()}

@@ -18,6 +18,7 @@ import torch
 _M32 = 0xFFFFFFFF
 _C1 = 0x7FEB352D
 _C2 = 0x1B873593
+_BELOW_ONE = 1.0 - 2.0**-24  # the largest fp32 below 1
 
 
 def hash32(x: torch.Tensor) -> torch.Tensor:
@@ -43,8 +44,16 @@ def gumbel_noise(
     token's noise is the same either way: it depends only on (seed, position, token id)."""
     row = hash32(hash32(seeds) ^ (out_pos & _M32))
     h = hash32(row[:, None] ^ (tok_hash[None, :] if tok_hash.dim() == 1 else tok_hash))
-    u = ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))  # (0, 1), 24 bits
-    return -torch.log(-torch.log(u))
+    return -torch.log(-torch.log(uniform(h)))
+
+
+def uniform(h: torch.Tensor) -> torch.Tensor:
+    """fp32 values in (0, 1) from 32-bit hashes (their top 24 bits).
+
+    NOTE: the top value, 1 - 2**-25, rounds to 1.0 in fp32, whose Gumbel noise is +inf: one
+    token in 2**24 would win whatever its logit (and a masked -inf logit would turn NaN); it is
+    held at the largest fp32 below 1."""
+    return (((h >> 8).float() + 0.5) * (1.0 / (1 << 24))).clamp_max(_BELOW_ONE)
 
 
 def candidate_cap(groups: Iterable[tuple[float, int, float]], vocab: int) -> int:

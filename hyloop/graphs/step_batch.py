@@ -35,6 +35,7 @@ __all__ = [
     "row_fields",
 ]
 
+CONTROLS, MASKS = 1, 2  # the controls bits of a captured step's mode
 _PADDING_ROW = -1  # stands for the pool's padding row (``CaptureBuffer.init``)
 
 
@@ -105,10 +106,11 @@ class StepBatch:
         return self.input_ids.shape[0]
 
     @property
-    def mode(self) -> tuple[int, int, bool]:
-        """The sampling mode an artifact is specialised on besides its two sizes: a captured
-        step with ``controls`` applies all three kinds (a plain batch's artifact none)."""
-        return (self.top_cap, self.num_logprobs, self.penalized or self.controlled or self.masked)
+    def mode(self) -> tuple[int, int, int]:
+        """The sampling mode an artifact is specialised on besides its two sizes; its controls:
+        ``CONTROLS`` (the penalties and logits controls together) | ``MASKS`` (grammars)."""
+        on = CONTROLS if self.penalized or self.controlled else 0
+        return (self.top_cap, self.num_logprobs, on | (MASKS if self.masked else 0))
 
     @property
     def seq_lens(self) -> torch.Tensor:
@@ -202,14 +204,15 @@ class CaptureBuffer:
         return self.full.batch_size
 
     def view(
-        self, bs: int, kv_len: int, top_cap: int = 0, num_logprobs: int = 0, controls: bool = False
+        self, bs: int, kv_len: int, top_cap: int = 0, num_logprobs: int = 0, controls: int = 0
     ) -> StepBatch:
-        """The first ``bs`` rows (shared storage) with these static values; ``controls``: every
-        per-request control applied (a neutral row's are exact no-ops)."""
+        """The first ``bs`` rows (shared storage) with these static values; ``controls``: the
+        per-request controls applied, ``CONTROLS`` | ``MASKS`` (a neutral row's are no-ops)."""
         if not 1 <= bs <= self.max_bs:
             raise ValueError(f"CaptureBuffer.view: bs {bs}, expected 1..{self.max_bs}")
         rows = {f.name: getattr(self.full, f.name)[:bs] for f in row_fields()}
-        flags = dict(penalized=controls, controlled=controls, masked=controls)
+        on = bool(controls & CONTROLS)
+        flags = dict(penalized=on, controlled=on, masked=bool(controls & MASKS))
         return dataclasses.replace(
             self.full,
             **rows,

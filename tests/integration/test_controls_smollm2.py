@@ -26,13 +26,8 @@ NEW = 12
 
 
 @pytest.fixture(scope="module")
-def gguf() -> Path:
-    from hyloop.recipes.offline import default_checkpoint
-
-    try:
-        return default_checkpoint()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+def gguf(gguf_path: Path) -> Path:
+    return gguf_path
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +141,7 @@ def test_allowed_token_ids(llm: LLM, hf: torch.nn.Module, prompts: Any) -> None:
 
 
 def test_min_p_distribution(llm: LLM, hf: torch.nn.Module, prompts: Any) -> None:
-    prompt, temp, min_p, n = prompts[0], 1.0, 0.02, 400
+    prompt, temp, min_p, n = prompts[1], 1.3, 0.05, 400
     params = [
         SamplingParams(temperature=temp, min_p=min_p, seed=s, max_tokens=1, ignore_eos=True)
         for s in range(n)
@@ -161,6 +156,11 @@ def test_min_p_distribution(llm: LLM, hf: torch.nn.Module, prompts: Any) -> None
     probs = warp(torch.tensor([prompt]), logits).softmax(-1)[0]
     support = probs > 0
     assert 2 < int(support.sum()) < 200
-    assert counts[~support].sum() == 0
+    # the two models' logits differ in the last bits: a token within 3% of the threshold may
+    # fall on either side
+    plain = (logits[0] / temp).softmax(-1)
+    ratio = plain / plain.max()
+    border = (ratio > 0.97 * min_p) & (ratio < 1.03 * min_p)
+    assert counts[~(support | border)[: counts.numel()]].sum() == 0
     tv = 0.5 * (counts / n - probs[: counts.numel()]).abs().sum()
     assert tv < 0.1, f"total variation {tv:.3f}"

@@ -21,16 +21,6 @@ NEW_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def gguf_path() -> Path:
-    from hyloop.recipes.offline import default_checkpoint
-
-    try:
-        return default_checkpoint()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-
-
-@pytest.fixture(scope="module")
 def llm(gguf_path: Path) -> Iterator[LLM]:
     overrides = [
         "graphs.backend=eager",

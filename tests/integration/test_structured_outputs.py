@@ -31,13 +31,8 @@ SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def llm() -> Iterator[LLM]:
-    from hyloop.recipes.offline import default_checkpoint
-
-    try:
-        path: Path = default_checkpoint()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+def llm(gguf_path: Path) -> Iterator[LLM]:
+    path = gguf_path
     overrides = [
         "graphs.backend=eager",
         "lookahead.enable=true",

@@ -30,16 +30,6 @@ FILL_TIMES: list[float] = []
 
 
 @pytest.fixture(scope="module")
-def gguf_path() -> Path:
-    from hyloop.recipes.offline import default_checkpoint
-
-    try:
-        return default_checkpoint()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-
-
-@pytest.fixture(scope="module")
 def tok(gguf_path: Path) -> TextTokenizer:
     """The checkpoint's tokenizer, built as hyloop's loader builds it, with its EOS id."""
     from hyloop.models.loaders.gguf import read_gguf_file_metadata

@@ -115,7 +115,7 @@ class BucketRunner:
     def capture(
         self,
         kv_lens: Iterable[int] | None = None,
-        modes: Iterable[tuple[int, int] | tuple[int, int, bool]] = ((0, 0),),
+        modes: Iterable[tuple[int, int] | tuple[int, int, int]] = ((0, 0),),
     ) -> list[ArtifactKey]:
         """Capture every batch bucket, largest first, for each ``kv_len`` bucket (default: all)
         and mode; returns the keys now captured."""

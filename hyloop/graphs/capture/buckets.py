@@ -23,11 +23,12 @@ class ArtifactKey:
     kv_len: int  # req->token columns attention reads (a kv_len bucket)
     top_cap: int = 0  # sampler candidates (0: unfiltered; ``sampler.candidate_cap``)
     num_logprobs: int = 0  # top logprobs returned per row
-    controls: bool = False  # the per-request controls (penalties, logits controls, masks)
+    # the per-request controls: CONTROLS (penalties and logits controls) | MASKS (grammars)
+    controls: int = 0
 
     def label(self) -> str:
         mode = f", top_cap={self.top_cap}, num_logprobs={self.num_logprobs}"
-        mode += ", controls" if self.controls else ""
+        mode += f", controls={self.controls}" if self.controls else ""
         return f"bucket(batch={self.batch}, kv_len={self.kv_len}{mode})"
 
 

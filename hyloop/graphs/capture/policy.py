@@ -106,7 +106,7 @@ class Graphs:
             return self.defaults
         return self.history.estimates(self.backend, self.defaults)
 
-    def job_start(self, outlook: Sequence[Outlook], mode: tuple[int, int, bool]) -> None:
+    def job_start(self, outlook: Sequence[Outlook], mode: tuple[int, int, int]) -> None:
         """The engine went from idle to busy with ``outlook`` (every queued request): ``auto``
         captures the artifacts worth it for steps of sampling ``mode`` (artifacts of another
         mode are not planned: their steps run eagerly)."""

@@ -195,10 +195,10 @@ def test_views_refuse_what_they_were_not_built_for(pools: ToyPools) -> None:
         CaptureBuffer.copy_from(view, make_inputs(pools, 3, 8, seed=1))
     with pytest.raises(ValueError, match="kv_len 9, expected <= 8"):
         CaptureBuffer.copy_from(view, make_inputs(pools, 2, 9, seed=1))
-    with pytest.raises(ValueError, match=r"mode .* \(8, 0, False\), expected \(0, 0, False\)"):
+    with pytest.raises(ValueError, match=r"mode .* \(8, 0, 0\), expected \(0, 0, 0\)"):
         CaptureBuffer.copy_from(view, make_inputs(pools, 2, 8, seed=1, filtered=True))
     controlled = dataclasses.replace(make_inputs(pools, 2, 8, seed=1), controlled=True)
-    with pytest.raises(ValueError, match=r"mode .* \(0, 0, True\), expected \(0, 0, False\)"):
+    with pytest.raises(ValueError, match=r"mode .* \(0, 0, 1\), expected \(0, 0, 0\)"):
         CaptureBuffer.copy_from(view, controlled)
 
 

@@ -104,3 +104,33 @@ def test_unfiltered_cap_is_plain_gumbel_max() -> None:
     want = torch.where(r["temperature"] > 0, plain, r["logits"].argmax(-1))
     assert torch.equal(draw(r, 0), want)
     assert torch.equal(draw(r, VOCAB), want)
+
+
+def test_uniform_stays_inside_the_open_interval() -> None:
+    """The extreme hashes map strictly inside (0, 1), so no token's noise is infinite."""
+    from hyloop.graphs.sampler import uniform
+
+    h = torch.tensor([0, 1, 0xFF, 0xFFFFFF00, 0xFFFFFFFF], dtype=torch.int64)
+    u = uniform(h)
+    assert bool(((u > 0) & (u < 1)).all())
+    assert bool(torch.isfinite(-torch.log(-torch.log(u))).all())
+
+
+def test_a_masked_token_is_never_drawn() -> None:
+    """-inf logits (min_p, bad words, grammar masks) stay out for every seed and position."""
+    vocab = 16384  # 64 rows x 64 positions x 16384 tokens: 2**26 noise draws
+    logits = torch.randn(64, vocab)
+    logits[:, 1:] = -torch.inf  # only token 0 is allowed
+    seeds = torch.arange(64, dtype=torch.int64) * 7919
+    for pos in range(64):
+        out = sample(
+            logits,
+            torch.ones(64),
+            torch.full((64,), -1),
+            torch.ones(64),
+            seeds,
+            torch.full((64,), pos),
+            token_hashes(vocab, "cpu"),
+            0,
+        )
+        assert bool((out == 0).all())
