@@ -140,7 +140,7 @@ PARSE_ERRORS = [
     ('{"prompt_token_ids": [1, 2], "max_tokens": 0}', "max_tokens: got 0"),
     ('{"prompt_token_ids": [1, 2], "temperature": "hot"}', "temperature: got 'hot'"),
     ('{"prompt_token_ids": [1, 2], "n": 2}', "n=2, best_of=None: a `hyloop generate` record"),
-    ('{"prompt_token_ids": [1, 2], "min_p": 0.5}', "min_p=0.5: not supported"),
+    ('{"prompt_token_ids": [1, 2], "logit_bias": {"999": 1.0}}', "logit_bias: got [999]"),
     ('{"prompt_token_ids": [1, 2], "prompt_logprobs": 1}', "prompt_logprobs=1: not written"),
 ]
 MODEL_ERRORS = [  # found once the model is loaded
