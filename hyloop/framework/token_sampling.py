@@ -50,6 +50,14 @@ class TokenSampling(RequestTable):
     # written by the host before each step that samples it; -1 allows every token.
     grammar: torch.Tensor = column(torch.int32, -1, shape=("mask_words",))
 
+    @classmethod
+    def allocate(
+        cls, rows: int, device: torch.device | str, **dims: int
+    ) -> TokenSampling:  # the bitmask's words follow from the vocabulary
+        if "vocab" in dims:
+            dims.setdefault("mask_words", (dims["vocab"] + 31) // 32)
+        return super().allocate(rows, device, **dims)
+
 
 def _of(req: Request, table: str) -> torch.Tensor | None:
     return None if req.controls is None else getattr(req.controls, table)()
