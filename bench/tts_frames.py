@@ -58,7 +58,9 @@ def build_checkpoint(root: Path) -> Path:
     cfg.update(language_config=lang, hidden_size=512, vocab_size_list=[4096] + [1025] * 12)
     cfg["gpt2_config"] = dict(cfg["gpt2_config"], n_head=8, n_inner=1536)
     tensors = helpers.moss_local_tensors(cfg, seed=0)
-    return helpers.write_moss_local_checkpoint(root / "moss-local-512x8", cfg, tensors)
+    return helpers.write_moss_local_checkpoint(
+        root / "moss-local-512x8", cfg, tensors, tokenizer=False
+    )
 
 
 def prompts(batch: int, seed: int) -> list[np.ndarray]:

@@ -33,11 +33,20 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="run N engine replicas through Ray Data (local Ray unless ray.address=...)",
     )
-    tts = sub.add_parser("tts", help="TTS frames (JSONL of prompt rows in, frames as .npy out)")
+    tts = sub.add_parser(
+        "tts", help="TTS (JSONL of text / voice or prompt rows in; frames .npy and .wav out)"
+    )
     tts.add_argument("--config", action="append", default=[], help="YAML config (repeatable)")
     tts.add_argument("--model", help="TTS checkpoint directory (model_type moss_tts_local)")
-    tts.add_argument("--input", help="requests JSONL: {rows | rows_npy, max_frames, params...}")
-    tts.add_argument("--output", help="output JSONL (frames .npy files beside it)")
+    tts.add_argument(
+        "--input",
+        help="requests JSONL: {text [, voice | voice_npy] | rows | rows_npy, max_frames, ...}",
+    )
+    tts.add_argument("--output", help="output JSONL (frames .npy and audio .wav beside it)")
+    tts.add_argument(
+        "--codec",
+        help="codes -> audio: 'tone' (hyloop's test codec) or module:factory; writes .wav files",
+    )
     tts.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     reg = sub.add_parser("regress", help="graph-vs-eager regression recipe")
     reg.add_argument("--config", action="append", default=[], help="YAML config (repeatable)")

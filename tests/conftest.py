@@ -279,14 +279,22 @@ def tiny_moss_local_config(n_vq: int, audio_vocab: int, local_layers: int) -> di
         audio_assistant_slot_token_id=250,
         audio_end_token_id=251,
         pad_token_id=252,
+        im_start_token_id=245,
+        im_end_token_id=246,
+        audio_start_token_id=247,
+        audio_user_slot_token_id=248,
         initializer_range=0.1,
     )
 
 
-def moss_local_tensors(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random weights in the released layout: the Qwen3 backbone under ``transformer.`` (a
-    transformers model), codebook tables of ``audio_vocab_size`` rows, the local transformer,
-    the binary stop head, and the unused ``text_lm_head`` / ``audio_lm_heads`` tensors."""
+def moss_local_tensors(
+    config: dict[str, Any], seed: int = 0, layout: str = "released"
+) -> dict[str, torch.Tensor]:
+    """Random weights: the Qwen3 backbone under ``transformer.`` (a transformers model), the
+    codebook tables, the local transformer, the binary stop head, and the unused
+    ``text_lm_head`` / ``audio_lm_heads`` tensors. ``layout="released"``: each table has
+    ``audio_pad_code + 1`` rows (sglang-omni's ``vocab_size_list``), the pad row random, not
+    zero, as a checkpoint may hold it; ``"compact"``: ``audio_vocab_size`` rows."""
     import transformers
 
     torch.manual_seed(seed)
@@ -308,8 +316,9 @@ def moss_local_tensors(config: dict[str, Any], seed: int = 0) -> dict[str, torch
     def normal(*shape: int) -> torch.Tensor:
         return torch.randn(*shape) * std
 
+    rows = {"released": config["audio_pad_code"] + 1, "compact": vocab}[layout]
     for i in range(config["n_vq"]):
-        out[f"audio_embeddings.{i}.weight"] = normal(vocab, hidden)
+        out[f"audio_embeddings.{i}.weight"] = normal(rows, hidden)
         out[f"audio_lm_heads.{i}.weight"] = normal(vocab, hidden)
     for i in range(config["local_transformer_layers"]):
         p = f"local_transformer.h.{i}."
@@ -331,14 +340,60 @@ def moss_local_tensors(config: dict[str, Any], seed: int = 0) -> dict[str, torch
     return {k: v.detach().contiguous() for k, v in out.items()}
 
 
+# The tiny TTS tokenizer's special tokens, at the ids ``tiny_moss_local_config`` names.
+TTS_SPECIAL_TOKENS = {
+    245: "<|im_start|>",
+    246: "<|im_end|>",
+    247: "<|audio_start|>",
+    248: "<|audio_user_slot|>",
+    250: "<|audio_assistant_slot|>",
+    251: "<|audio_end|>",
+    252: "<|endoftext|>",
+}
+TTS_CORPUS = [
+    "user\n<user_inst>\n- Reference(s):\nNone\n- Instruction:\nNone\n- Tokens:\nNone",
+    "\n- Quality:\nNone\n- Sound Event:\nNone\n- Ambient Sound:\nNone\n- Language:\nen",
+    "\n- Text:\n\n</user_inst>\nassistant\n",
+    "Hello there, how are you today? The quick brown fox jumps over the lazy dog.",
+    "A voice reads this sentence slowly and clearly, with calm warmth. 0123456789",
+]
+
+
+def tiny_tts_tokenizer_json(path: Path, vocab_size: int = 256) -> Path:
+    """A small BPE ``tokenizer.json`` (trained on the template and a few sentences) whose
+    special tokens sit at ``TTS_SPECIAL_TOKENS``' ids, as the released tokenizer's do."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    first = min(TTS_SPECIAL_TOKENS)
+    tok.train_from_iterator(
+        TTS_CORPUS, trainers.BpeTrainer(vocab_size=first, special_tokens=["<unk>"])
+    )
+    tok.add_tokens([f"<filler_{i}>" for i in range(tok.get_vocab_size(), first)])
+    for i in range(first, vocab_size):
+        tok.add_special_tokens(
+            [AddedToken(TTS_SPECIAL_TOKENS.get(i, f"<|extra_{i}|>"), special=True)]
+        )
+    for i, name in TTS_SPECIAL_TOKENS.items():
+        assert tok.token_to_id(name) == i, (name, tok.token_to_id(name))
+    assert tok.get_vocab_size() == vocab_size
+    tok.save(str(path))
+    return path
+
+
 def write_moss_local_checkpoint(
-    path: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]
+    path: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], tokenizer: bool = True
 ) -> Path:
+    """A checkpoint directory: config, weights and (``tokenizer``) a tiny ``tokenizer.json``."""
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config))
     save_file(tensors, path / "model.safetensors")
+    if tokenizer:
+        tiny_tts_tokenizer_json(path / "tokenizer.json", config["language_config"]["vocab_size"])
     return path
 
 

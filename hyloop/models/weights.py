@@ -2,7 +2,9 @@
 
 Fused parameters (``qkv_proj``, ``gate_up_proj``) are filled shard by shard from their HF parts.
 Every parameter must be filled exactly once and every checkpoint tensor must land somewhere:
-missing, unexpected or mis-shaped tensors raise one error that names them all.
+missing, unexpected or mis-shaped tensors raise one error that names each of them once. A model
+may rename a checkpoint tensor (``rename_weight``; None drops it) and adapt its value to the
+parameter's layout (``adapt_weight``, e.g. dropping rows the model never reads).
 """
 
 from __future__ import annotations
@@ -39,9 +41,11 @@ def load_weights(
     tied: dict[str, str] = getattr(model, "tied_weights", {})
     stacked: tuple[StackedParam, ...] = getattr(model, "stacked_params", ())
     rename = getattr(model, "rename_weight", None)
+    adapt = getattr(model, "adapt_weight", None)
     filled: dict[str, int] = {}  # param name -> rows filled
     unexpected: list[str] = []
     misshaped: list[str] = []
+    wrong: set[str] = set()  # named once, as mis-shaped, never again as missing
     plan = _stack_plan(model, params, stacked)
 
     for name, tensor in weights:
@@ -51,6 +55,8 @@ def load_weights(
             name = rename(name)
             if name is None:
                 continue
+        if adapt is not None:
+            tensor = adapt(name, tensor)
         if name in tied:
             target = params[tied[name]]
             if tuple(tensor.shape) != tuple(target.shape):
@@ -69,11 +75,16 @@ def load_weights(
             dst = params[pname].data.narrow(0, start, rows)
         if tuple(tensor.shape) != tuple(dst.shape):
             misshaped.append(f"{name}: {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+            wrong.add(pname)
             continue
         dst.copy_(tensor)
         filled[pname] = filled.get(pname, 0) + rows
 
-    missing = [n for n, p in params.items() if n not in tied and filled.get(n, 0) != _rows(p)]
+    missing = [
+        n
+        for n, p in params.items()
+        if n not in tied and n not in wrong and filled.get(n, 0) != _rows(p)
+    ]
     problems = []
     if missing:
         problems.append(f"missing tensors: {', '.join(sorted(missing))}")

@@ -301,6 +301,8 @@ class RunningSumCodec:
     (so a chunk needs one frame of left context to decode like the whole sequence)."""
 
     context_frames = 1
+    sample_rate = 50
+    samples_per_frame = 4
 
     def decode(self, codes: np.ndarray, context: np.ndarray) -> np.ndarray:
         frames = np.concatenate([context[-1:], codes]).sum(axis=1).astype(np.float32)

@@ -10,9 +10,10 @@ enters the local transformer at position c + 1.
 Checkpoint (``model_type: "moss_tts_local"``, whatever ``architectures`` says): config keys
 ``language_config`` (or ``qwen3_config``), ``n_vq``, ``audio_vocab_size``, ``gpt2_config``
 {``n_head``, ``n_inner``, ``rope_base``, ``layer_norm_epsilon``}, ``local_transformer_layers``,
-the special ids; tensors ``model.*`` (or ``transformer.*``), ``audio_embeddings.{i}.weight``,
-``local_transformer.*``, ``local_text_lm_head.weight``; ``text_lm_head.*`` and
-``audio_lm_heads.*`` are ignored, any other unknown tensor is an error.
+the special ids; tensors ``model.*`` (or ``transformer.*``), ``audio_embeddings.{i}.weight``
+(``audio_pad_code + 1`` rows as released, sglang-omni's ``vocab_size_list``, or
+``audio_vocab_size``; ``adapt_weight``), ``local_transformer.*``, ``local_text_lm_head.weight``;
+``text_lm_head.*`` and ``audio_lm_heads.*`` are ignored, any other unknown tensor is an error.
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ from hyloop.models.registry import register
 IGNORED_HEADS = ("text_lm_head.", "audio_lm_heads.")
 _TORCH = TorchPath()
 STOP, CONTINUE = 1, 0
+# The v1.5 release's template ids (its processor and sglang-omni's defaults).
+PROMPT_ID_DEFAULTS = {
+    "im_start_token_id": 151644,
+    "im_end_token_id": 151645,
+    "audio_start_token_id": 151669,
+    "audio_user_slot_token_id": 151654,
+}
 
 
 @dataclass(frozen=True)
@@ -46,6 +54,9 @@ class MossTTSLocalConfig:
     slot_id: int  # audio_assistant_slot_token_id: channel 0 of a continuing frame
     end_id: int  # audio_end_token_id: channel 0 of a stop frame
     pad_token_id: int | None
+    # The prompt template's ids (``hyloop.tts.prompts``; checked against the vocab when a
+    # prompt is built, so a rows-only checkpoint need not carry them).
+    prompt_ids: dict[str, int]
     local_layers: int
     local_heads: int
     local_inner: int
@@ -93,6 +104,7 @@ class MossTTSLocalConfig:
                 )
         gpt2 = dict(hf.get("gpt2_config") or {})
         pad_id = hf.get("pad_token_id")
+        prompt_ids = {k: int(hf.get(k, v)) for k, v in PROMPT_ID_DEFAULTS.items()}
         return cls(
             n_vq=n_vq,
             audio_vocab_size=audio_vocab,
@@ -100,6 +112,7 @@ class MossTTSLocalConfig:
             slot_id=ids["audio_assistant_slot_token_id"],
             end_id=ids["audio_end_token_id"],
             pad_token_id=None if pad_id is None else int(pad_id),
+            prompt_ids=prompt_ids,
             local_layers=int(hf.get("local_transformer_layers", 1)),
             local_heads=int(gpt2.get("n_head") or 32),
             local_inner=int(gpt2.get("n_inner") or 4 * hidden),
@@ -217,6 +230,17 @@ class MossTTSLocalLM(nn.Module):
         if name.startswith("transformer."):
             return "model." + name.removeprefix("transformer.")
         return name
+
+    def adapt_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A codebook table keeps its first ``audio_vocab_size`` rows. Released checkpoints store
+        ``audio_pad_code + 1`` (the pad code's row, which sglang-omni zeroes after loading); a
+        row at or past ``audio_vocab_size`` is never read here, since such codes embed to zero
+        (``embed_rows``) and no sampler draws them. A table with fewer rows stays as it is, so
+        the loader names it as mis-shaped."""
+        table = name.startswith("audio_embeddings.") and tensor.dim() == 2
+        if table and tensor.shape[0] > self.audio_vocab_size:
+            return tensor[: self.audio_vocab_size]
+        return tensor
 
     def embed_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """``rows [..., C]`` -> the sum of the channels' embeddings ``[..., H]``."""

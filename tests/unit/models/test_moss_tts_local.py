@@ -3,6 +3,9 @@
 The reference is transformers' ``Qwen3Model`` over summed channel embeddings (the whole sequence
 each frame, no cache) plus the local transformer written out plainly here: the growing local
 sequence recomputed from scratch each micro-step, RoPE as complex rotations of (2i, 2i+1) pairs.
+It reads the codebook tables as sglang-omni does: rows at or past ``audio_vocab_size`` (the pad
+row of the released layout) zeroed after loading, every channel's lookup summed, code logits
+over the first ``audio_vocab_size`` rows.
 """
 
 from __future__ import annotations
@@ -68,16 +71,21 @@ class Reference:
         self.backbone.load_state_dict(body, strict=True)
         self.n_vq = self.cfg["n_vq"]
         self.vocab = self.cfg["audio_vocab_size"]
+        pad = self.cfg["audio_pad_code"]
+        for c in range(self.n_vq):
+            name = f"audio_embeddings.{c}.weight"
+            table = self.w[name]
+            if len(table) <= pad:  # the compact layout: the pad row is implicit
+                table = torch.cat([table, table.new_zeros(pad + 1 - len(table), table.shape[1])])
+            table[self.vocab :] = 0.0  # the pad row(s)
+            self.w[name] = table
         g = self.cfg["gpt2_config"]
         self.heads, self.base, self.eps = g["n_head"], g["rope_base"], g["layer_norm_epsilon"]
 
     def embed(self, rows: torch.Tensor) -> torch.Tensor:
         x = self.w["transformer.embed_tokens.weight"][rows[:, 0]]
         for c in range(self.n_vq):
-            table = self.w[f"audio_embeddings.{c}.weight"]
-            for t, code in enumerate(rows[:, c + 1].tolist()):
-                if code < self.vocab:  # the pad code adds nothing
-                    x[t] = x[t] + table[code]
+            x = x + self.w[f"audio_embeddings.{c}.weight"][rows[:, c + 1]]
         return x
 
     @torch.no_grad()
@@ -130,7 +138,7 @@ class Reference:
         stop = int(stop_logits.argmax())
         codes, code_logits = [], []
         for c in range(self.n_vq):
-            table = self.w[f"audio_embeddings.{c}.weight"]
+            table = self.w[f"audio_embeddings.{c}.weight"][: self.vocab]
             logits = out @ table.T
             code = int(logits.argmax())
             codes.append(code)
@@ -232,9 +240,20 @@ def prompt(n: int, model: MossTTSLocalLM, gen: torch.Generator) -> torch.Tensor:
     return rows
 
 
-@pytest.fixture(scope="module", params=sorted(TINY_MOSS_LOCAL))
-def ckpt(request: pytest.FixtureRequest, moss_local_ckpts: dict[str, Path]) -> Path:
-    return moss_local_ckpts[request.param]
+@pytest.fixture(scope="module")
+def compact_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """hyloop's earlier layout: codebook tables of ``audio_vocab_size`` rows."""
+    cfg = tiny_moss_local_config(*TINY_MOSS_LOCAL["nvq3_v16_l1"])
+    tensors = moss_local_tensors(cfg, seed=3, layout="compact")
+    return write_moss_local_checkpoint(tmp_path_factory.mktemp("compact") / "ckpt", cfg, tensors)
+
+
+@pytest.fixture(scope="module", params=[*sorted(TINY_MOSS_LOCAL), "compact"])
+def ckpt(
+    request: pytest.FixtureRequest, moss_local_ckpts: dict[str, Path], compact_ckpt: Path
+) -> Path:
+    """The released layout (pad rows present, not zero) at two shapes, and the compact one."""
+    return compact_ckpt if request.param == "compact" else moss_local_ckpts[request.param]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,6 +312,21 @@ def variant(
     return write_moss_local_checkpoint(tmp_path / "ckpt", cfg, tensors)
 
 
+def test_table_rows_past_the_codes_are_dropped(tmp_path: Path) -> None:
+    """A table of 17 (released) or more rows loads as its first 16; the rest never matter."""
+    def wide(t: dict[str, torch.Tensor]) -> None:
+        t["audio_embeddings.1.weight"] = torch.cat([t["audio_embeddings.1.weight"][:16]] * 2)
+
+    cfg = tiny_moss_local_config(3, 16, 1)
+    released = moss_local_tensors(cfg, seed=1)
+    assert released["audio_embeddings.0.weight"].shape == (17, 64)
+    assert released["audio_embeddings.0.weight"][16].abs().sum() > 0  # a non-zero pad row
+    model = load(variant(tmp_path, edit_tensors=wide))
+    for c, table in enumerate(model.audio_embeddings):
+        torch.testing.assert_close(table.weight, released[f"audio_embeddings.{c}.weight"][:16])
+        assert model.audio_heads[c].weight is table.weight  # the head stays tied
+
+
 def test_released_layout_loads_and_ignores_the_unused_heads(tmp_path: Path) -> None:
     def break_heads(t: dict[str, torch.Tensor]) -> None:
         t["text_lm_head.weight"] = torch.zeros(3, 5)  # any shape: never read
@@ -346,8 +380,10 @@ def test_qwen3_config_key_and_any_architectures_name(tmp_path: Path) -> None:
          "missing tensors: audio_embeddings.1.weight"),
         (lambda t: t.pop("transformer.layers.1.self_attn.q_norm.weight"),
          "missing tensors: model.layers.1.self_attn.q_norm.weight"),
-        (lambda t: t.update({"audio_embeddings.0.weight": torch.zeros(17, 64)}),
-         "audio_embeddings.0.weight: (17, 64), expected (16, 64)"),
+        (lambda t: t.update({"audio_embeddings.0.weight": torch.zeros(15, 64)}),
+         "audio_embeddings.0.weight: (15, 64), expected (16, 64)$"),
+        (lambda t: t.update({"audio_embeddings.2.weight": torch.zeros(17, 32)}),
+         "audio_embeddings.2.weight: (16, 32), expected (16, 64)$"),
     ],
 )  # fmt: skip
 def test_loading_is_strict(tmp_path: Path, edit: Any, named: str) -> None:
