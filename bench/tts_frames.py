@@ -10,7 +10,10 @@ machine does not decide the ratio), stop ignored, default sampling (audio temper
 ``decode fps`` is the engine's decode counters. The real-time factor is wall time over audio time
 for one stream of a 12.5 Hz codec at that batch (below 1: faster than real time). Time to first
 chunk: from ``add_request`` to the first chunk of a probe request (``initial_chunk_frames`` 1 and
-5), alone and while 16 other requests stream.
+5), alone and while 16 other requests stream. Streams (``--streams``): 1, 8 and 16 asyncio
+consumers of ``stream(request_id)`` at once, the loop's frames/s with and without a codec stage
+(``ToneCodec``, 48 kHz, on its own thread), and each request's time to first audio and
+real-time factor (median and worst) from its ``TTSMetrics``.
 
     python bench/tts_frames.py --json PATH [--quick] [--batches 1,8,32] [--frames 48] [--repeats 3]
         [--device cuda --backend cuda_graph] [--dtype bfloat16] [--kv-len-bucket 128]
@@ -19,6 +22,7 @@ chunk: from ``add_request`` to the first chunk of a probe request (``initial_chu
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import gc
 import os
@@ -35,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from common import cpu_name, parse_batches, test_helpers, write_json  # noqa: E402
 
-from hyloop.tts import TTSEngine, TTSParams  # noqa: E402
+from hyloop.tts import ToneCodec, TTSEngine, TTSParams  # noqa: E402
 
 CODEC_HZ = 12.5
 PROMPT_ROWS = 32
@@ -117,6 +121,79 @@ def first_chunk(tts: TTSEngine, initial: int, load: int, seed: int) -> float:
     return waited
 
 
+def stream_wave(tts: TTSEngine, n: int, frames: int, seed: int) -> dict[str, float]:
+    """``n`` concurrent asyncio consumers, one per request (``tts.stream(rid)``): the loop's
+    frames/s over the wave, and the requests' time to first audio and real-time factor."""
+    params = TTSParams(max_frames=frames, ignore_stop=True, seed=seed, chunk_frames=5)
+
+    async def consume(rid: str) -> Any:
+        last = None
+        async for chunk in tts.stream(rid):
+            last = chunk
+        return last
+
+    async def wave() -> list[Any]:
+        ids = [tts.add_request(rows, params) for rows in prompts(n, seed)]
+        return await asyncio.gather(*(consume(rid) for rid in ids))
+
+    gc.collect()
+    t0 = time.perf_counter()
+    finals = asyncio.run(wave())
+    wall = time.perf_counter() - t0
+    ms = [f.metrics for f in finals]
+    assert all(m.num_frames == frames for m in ms)
+    ttfa = [m.time_to_first_audio_s for m in ms]
+    rtf = [m.rtf for m in ms]
+    return {
+        "fps": n * frames / wall,
+        "ttfa_ms": 1e3 * float(np.median(ttfa)),
+        "ttfa_max_ms": 1e3 * max(ttfa),
+        "rtf": float(np.median(rtf)),
+        "rtf_max": max(rtf),
+    }
+
+
+def bench_streams(args: argparse.Namespace, engines: dict[str, TTSEngine]) -> list[dict[str, Any]]:
+    """Per-request streams at each concurrency, each backend with and without the codec stage
+    (``ToneCodec``, 48 kHz); the best of ``--repeats`` waves (by frames/s) per cell."""
+    rows = []
+    codec = ToneCodec()
+    for n in args.streams:
+        for backend, tts in engines.items():
+            warm_up(tts, n, seed=n)
+            best: dict[str, dict[str, float]] = {}
+            for rep in range(args.repeats):
+                for name, c in (("none", None), ("tone", codec)):
+                    tts.set_codec(c)
+                    r = stream_wave(tts, n, args.frames, seed=10 * n + rep)
+                    if name not in best or r["fps"] > best[name]["fps"]:
+                        best[name] = r
+            tts.set_codec(None)
+            for name, r in best.items():
+                rows.append({"backend": backend, "streams": n, "codec": name, **r})
+                print(f"{backend:>8} {n:>3} streams, codec {name}: {r['fps']:8.1f} frames/s, "
+                      f"first audio {r['ttfa_ms']:.0f} ms (max {r['ttfa_max_ms']:.0f}), "
+                      f"rtf {r['rtf']:.3f}")  # fmt: skip
+    return rows
+
+
+def print_streams(rows: list[dict[str, Any]], where: str) -> None:
+    print(f"\nTTS streams on {where} (asyncio consumers, one loop thread, ToneCodec 48 kHz)")
+    print(f"{'backend':>8} {'streams':>7} {'fps no codec':>12} {'fps codec':>10} {'cost':>6} "
+          f"{'first audio ms':>14} {'max ms':>7} {'rtf':>6} {'rtf max':>7}")  # fmt: skip
+    for r in rows:
+        if r["codec"] != "tone":
+            continue
+        plain = next(
+            x for x in rows
+            if (x["backend"], x["streams"], x["codec"]) == (r["backend"], r["streams"], "none")
+        )  # fmt: skip
+        cost = 1.0 - r["fps"] / plain["fps"]
+        print(f"{r['backend']:>8} {r['streams']:>7} {plain['fps']:>12.1f} {r['fps']:>10.1f} "
+              f"{cost:>6.1%} {r['ttfa_ms']:>14.0f} {r['ttfa_max_ms']:>7.0f} {r['rtf']:>6.3f} "
+              f"{r['rtf_max']:>7.3f}")  # fmt: skip
+
+
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(os.cpu_count() or 1)
     cpu = cpu_name()
@@ -131,8 +208,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             overrides = [
                 f"device={args.device}",
                 f"graphs.backend={backend}",
-                f"graphs.buckets=[{','.join(map(str, args.batches))}]",
-                f"scheduler.max_running_requests={max(max(args.batches), 17)}",
+                f"graphs.buckets=[{','.join(map(str, sorted({*args.batches, *args.streams})))}]",
+                f"scheduler.max_running_requests={max(*args.batches, *args.streams, 17)}",
                 "kv_pool.page_size=16",
                 "model.max_context=1024",
                 "lookahead.enable=false",
@@ -153,6 +230,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             for backend in engines:
                 rows.append({"backend": backend, "batch": batch, **best[backend]})
                 print_row(rows[-1])
+        stream_rows = bench_streams(args, engines) if args.streams else []
         if not args.quick:
             for backend, tts in engines.items():
                 for load in (0, 16):
@@ -177,10 +255,12 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         c = next(r for r in rows if r.get("batch") == b and r["backend"] == captured)
         print(f"{b:>9} {e['fps']:>10.1f} {c['fps']:>12.1f} {ratio[b]:>6.2f} "
               f"{e['rtf']:>10.3f} {c['rtf']:>12.3f}")  # fmt: skip
+    if stream_rows:
+        print_streams(stream_rows, where)
     return {"cpu": cpu, "gpu": gpu, "device": args.device, "backend": captured,
             "dtype": args.dtype, "kv_len_bucket": args.kv_len_bucket,
             "threads": torch.get_num_threads(), "frames": args.frames, "rows": rows,
-            "captured_over_eager": ratio}  # fmt: skip
+            "streams": stream_rows, "captured_over_eager": ratio}  # fmt: skip
 
 
 def print_row(r: dict[str, Any]) -> None:
@@ -193,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the results here")
     p.add_argument("--quick", action="store_true", help="no first-chunk timings")
     p.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
+    p.add_argument(
+        "--streams", default="1,8,16", help="concurrent per-request streams ('' to skip)"
+    )
     p.add_argument("--frames", type=int, default=48, help="frames per request")
     p.add_argument("--repeats", type=int, default=3, help="timed waves per backend and batch")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -202,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.backend = args.backend or ("cuda_graph" if args.device.startswith("cuda") else "compile")
     args.batches = parse_batches(p, args.batches)
+    args.streams = parse_batches(p, args.streams) if args.streams else []
     write_json(bench(args), args.json)
     return 0
 

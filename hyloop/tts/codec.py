@@ -52,18 +52,18 @@ class ToneCodec:
         self.context_frames = 1
         self.voices = voices
         self.audio_vocab = audio_vocab
-        t = np.arange(self.samples_per_frame) / sample_rate
-        self._t = t[None, :]
-        self._fade = (np.arange(self.samples_per_frame) / self.samples_per_frame)[None, :]
+        spf = self.samples_per_frame
+        self._t = (2.0 * np.pi * np.arange(spf, dtype=np.float32) / sample_rate)[None, :]
+        self._fade = (np.arange(spf, dtype=np.float32) / spf)[None, :]
 
     def _chord(self, codes: np.ndarray) -> np.ndarray:
-        """``codes [n, n_vq]`` -> each frame's chord ``[n, samples_per_frame]`` (float64)."""
+        """``codes [n, n_vq]`` -> each frame's chord ``[n, samples_per_frame]`` (float32)."""
         k = min(self.voices, codes.shape[1])
-        out = np.zeros((len(codes), self.samples_per_frame))
+        out = np.zeros((len(codes), self.samples_per_frame), dtype=np.float32)
         for c in range(k):
-            hz = 110.0 * 2.0 ** (4.0 * codes[:, c : c + 1] / self.audio_vocab)  # 110-1760 Hz
-            out += np.sin(2.0 * np.pi * hz * self._t)
-        return out / max(k, 1)
+            octaves = 4.0 * codes[:, c : c + 1].astype(np.float32) / self.audio_vocab
+            out += np.sin((110.0 * 2.0**octaves).astype(np.float32) * self._t)  # 110-1760 Hz
+        return out * np.float32(1.0 / max(k, 1))
 
     def decode(self, codes: np.ndarray, context: np.ndarray) -> np.ndarray:
         if len(codes) == 0:
@@ -74,8 +74,8 @@ class ToneCodec:
             prev[1:] = now[:-1]
         if len(context):
             prev[0] = self._chord(context[-1:])[0]
-        pcm = prev * (1.0 - self._fade) + now * self._fade
-        return (0.5 * pcm).astype(np.float32).reshape(-1)
+        pcm = prev + (now - prev) * self._fade
+        return (np.float32(0.5) * pcm).reshape(-1)
 
 
 Deliver = Callable[[str, Any, np.ndarray | None, str | None], None]

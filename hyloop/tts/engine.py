@@ -91,6 +91,20 @@ class TTSEngine:
         self._failure: str | None = None
         self._builder: PromptBuilder | None = None
 
+    def set_codec(self, codec: Codec | None) -> None:
+        """Swap the codec (None: frames only) while no request is live."""
+        with self._lock:
+            if self._requests:
+                raise RuntimeError(f"set_codec: {len(self._requests)} request(s) still live")
+            old, self._stage = self._stage, None
+            self.codec = codec
+            if codec is not None:
+                self.frame_rate = codec.sample_rate / codec.samples_per_frame
+                if self._thread is not None:
+                    self._stage = CodecStage(codec, self._deliver_audio)
+        if old is not None:
+            old.close()
+
     # -- requests -------------------------------------------------------------------------------
     def prompt_rows(self, text: str, voice: Any = None, **fields: Any) -> np.ndarray:
         """The prompt rows of ``text`` spoken in ``voice`` (``TTSPrompt``'s fields)."""
