@@ -104,9 +104,15 @@ def test_compiled_frames_equal_eager_no_recompile(
         assert [len(o.rows) for o in outs] == lengths
         s = tts.stats()
         assert s["recompiles"] == 0 and s["eager_fallbacks"] == 0 and s["graph_replays"] >= 80
+        # The same wave through per-request streams: the loop thread replays the artifacts.
+        ids = [tts.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
+        streamed = [np.concatenate([c.rows for c in tts.stream(rid)]).tolist() for rid in ids]
+        s2 = tts.stats()
+        assert s2["graph_replays"] - s["graph_replays"] >= lengths[-1] - 1  # a decode each frame
+        assert s2["recompiles"] == 0
         tts.engine.check_invariants()
     ref, _ = run(ckpt, EAGER, prompts, params)
-    assert rows_of(outs) == rows_of(ref)
+    assert rows_of(outs) == rows_of(ref) == streamed
 
 
 @pytest.mark.cuda
