@@ -393,7 +393,8 @@ def write_moss_local_checkpoint(
     (path / "config.json").write_text(json.dumps(config))
     save_file(tensors, path / "model.safetensors")
     if tokenizer:
-        tiny_tts_tokenizer_json(path / "tokenizer.json", config["language_config"]["vocab_size"])
+        lang = config.get("language_config") or config["qwen3_config"]
+        tiny_tts_tokenizer_json(path / "tokenizer.json", lang["vocab_size"])
     return path
 
 
