@@ -1,13 +1,16 @@
-"""Position-independent reuse on SmolLM2: RAG-shaped traffic, reuse off vs on.
+"""Position-independent reuse on SmolLM2: two RAG-shaped workloads, reuse off vs on.
 
-Documents of 500-1,000 tokens (English reference text: the docstrings of Python standard-library
-modules and their members, tokenized by SmolLM2) are registered by a first wave of requests
-(system prompt A + document + question). The query wave then asks questions over two documents
-each, behind another system prompt B, 16 greedy tokens. Both arms keep the exact-prefix cache on;
-reuse off serves only system prompt B from it. Per arm: document tokens reused, prefill tokens
-computed in the query wave, its wall time, and against reuse off the mean first-token KL and the
-16-token greedy agreement (mean agreeing prefix, and the share of queries fully equal), for
-``recompute_tokens`` 0 / 8 / 16 / 32. Prints the table with the CPU's name and writes JSON.
+A registration wave puts every document's KV in the cache; the query wave then asks over
+several documents behind another system prompt, 16 greedy tokens each (the workloads:
+``bench/pi_workloads.py``). Both arms keep the exact-prefix cache on; reuse off serves only the
+system prompt from it. Each "on" arm is ``recompute_tokens:recompute_ratio``: the fixed head of
+every reused run computed anyway, and the share of the reused tokens selective recompute
+computes again (CacheBlend: those whose K/V at the check layer deviates most). Per arm: document
+tokens reused (net of those recomputed), reused tokens recomputed, prefill tokens computed, the
+query wave's wall and CPU time (this process's: less sensitive to other load) and its speedup
+over reuse off in CPU time, and against reuse off the mean / max first-token KL, the share of
+queries whose first greedy token is equal, the mean agreeing prefix of the 16 tokens and the
+share fully equal. Prints a table per workload with the CPU's name and writes JSON.
 
     python bench/position_independent.py --json /tmp/pi.json
 """
@@ -15,105 +18,57 @@ computed in the query wave, its wall time, and against reuse off the mean first-
 from __future__ import annotations
 
 import argparse
-import importlib
-import inspect
-import random
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from common import cpu_name, write_json  # noqa: E402
-
-from hyloop import LLM, SamplingParams  # noqa: E402
+# hyloop first: it sets OpenMP's passive wait policy before torch loads (``omp_policy``), so
+# spinning threads neither burn this process's CPU time nor wait on the machine's other load.
+from hyloop import LLM, SamplingParams  # noqa: E402, I001
 from hyloop.recipes.offline import default_checkpoint  # noqa: E402
 
-MODULES = [
-    "argparse", "json", "csv", "statistics", "re", "heapq", "itertools", "socket",
-    "ssl", "urllib.request", "subprocess", "difflib", "http.client", "tempfile",
-]  # fmt: skip
-SYSTEM_A = "You are a librarian. Read the reference document and file it under a topic.\n\n"
-SYSTEM_B = (
-    "You are a careful assistant. Answer the question using only the documents below; "
-    "say which document you used.\n\n"
-)
+import torch  # noqa: E402
+from common import cpu_name, lscpu_fields, write_json  # noqa: E402
+from pi_workloads import Workload, modules, reference  # noqa: E402
+
 NEW_TOKENS = 16
+WORKLOADS = {"modules": modules, "reference": reference}
 
 
-def module_text(name: str) -> str:
-    """A module's docstring and its public members' docstrings, as one document."""
-    mod = importlib.import_module(name)
-    parts = [f"Document: the {name} module.\n{inspect.getdoc(mod) or ''}"]
-    for attr in sorted(dir(mod)):
-        obj = getattr(mod, attr)
-        if attr.startswith("_") or not (inspect.isfunction(obj) or inspect.isclass(obj)):
-            continue
-        doc = inspect.getdoc(obj)
-        if doc:
-            parts.append(f"{attr}: {doc}")
-    return "\n\n".join(parts)
-
-
-def build_traffic(
-    llm: LLM, num_docs: int, num_queries: int, seed: int
-) -> tuple[list[list[int]], list[tuple[list[int], int]]]:
-    """Registration prompts, and query prompts with the number of document tokens in each."""
-    rng = random.Random(seed)
-    tok = llm.tokenizer
-    docs: list[list[int]] = []
-    for name in MODULES:
-        ids = tok.encode(module_text(name))
-        if len(ids) >= 500:
-            docs.append(ids[: rng.randint(500, 1000)])
-        if len(docs) == num_docs:
-            break
-    if len(docs) < num_docs:
-        raise SystemExit(f"only {len(docs)} documents of >= 500 tokens; lower --docs")
-    sys_a, sys_b = tok.encode(SYSTEM_A), tok.encode(SYSTEM_B)
-    register = [sys_a + d + tok.encode("\n\nTopic:") for d in docs]
-    queries: list[tuple[list[int], int]] = []
-    # Every query leads with a different document, so the exact prefix serves system prompt B
-    # only and never a document: what the documents save is position-independent reuse alone.
-    if num_queries > num_docs:
-        raise SystemExit(f"--queries {num_queries} > --docs {num_docs}: a lead document repeats")
-    leads = rng.sample(range(num_docs), num_queries)
-    for q, i in enumerate(leads):
-        j = rng.choice([d for d in range(num_docs) if d != i])
-        question = tok.encode(f"\n\nQuestion {q}: what do these two modules have in common?\n")
-        prompt = sys_b + docs[i] + tok.encode("\n\n") + docs[j] + question
-        queries.append((prompt, len(docs[i]) + len(docs[j])))
-    return register, queries
+def parse_arms(text: str) -> list[tuple[int, float]]:
+    """``"16:0,0:0.15"`` -> ``[(16, 0.0), (0, 0.15)]`` (recompute_tokens:recompute_ratio)."""
+    arms = []
+    for part in text.split(","):
+        tokens, _, ratio = part.partition(":")
+        arms.append((int(tokens), float(ratio or 0)))
+    return arms
 
 
 def run_arm(
-    model: Path,
-    backend: str,
-    recompute: int | None,
-    register: list[list[int]],
-    queries: list[tuple[list[int], int]],
+    model: Path, backend: str, arm: tuple[int, float] | None, work: Workload
 ) -> dict[str, Any]:
     overrides = [f"graphs.backend={backend}", "kv_pool.num_pages=40000"]
-    if recompute is not None:
+    if arm is not None:
         overrides += [
             "cache.position_independent.enable=true",
-            f"cache.position_independent.recompute_tokens={recompute}",
+            f"cache.position_independent.recompute_tokens={arm[0]}",
+            f"cache.position_independent.recompute_ratio={arm[1]}",
         ]
     greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     with LLM(model=model, overrides=overrides) as llm:
         llm.generate(
-            [register[0][:40]], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False
+            [work.register[0][:40]], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False
         )  # warm up
-        llm.generate(register, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+        llm.generate(work.register, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
         engine = llm.engine
         engine.capture_logits = True
         before = llm.stats()
         reqs, outs = [], {}
         t0, c0 = time.perf_counter(), time.process_time()
-        for i, (prompt, _) in enumerate(queries):
+        for i, (prompt, _) in enumerate(work.queries):
             engine.add_request(f"q{i}", prompt, greedy)
             reqs.append(engine.request(f"q{i}"))
         while engine.has_unfinished_requests():
@@ -123,23 +78,28 @@ def run_arm(
         wall, cpu_s = time.perf_counter() - t0, time.process_time() - c0
         engine.check_invariants()
         after = llm.stats()
-    ordered = [outs[f"q{i}"] for i in range(len(queries))]
+    ordered = [outs[f"q{i}"] for i in range(len(work.queries))]
     return {
-        "recompute_tokens": recompute,
+        "recompute_tokens": None if arm is None else arm[0],
+        "recompute_ratio": None if arm is None else arm[1],
         "wall_s": wall,
-        "cpu_s": cpu_s,  # this process's CPU time: less sensitive to other load on the machine
+        "cpu_s": cpu_s,
+        "reused_tokens": (reused := sum(o.num_reused_tokens for o in ordered)),
+        "recomputed_tokens": (recomputed := sum(o.num_recomputed_tokens for o in ordered)),
+        # tokens that ran every layer (selective recompute runs the reused ones through the
+        # step too, most of them only up to the check layer)
         "prefill_tokens_computed": after["prefill_tokens_computed"]
-        - before["prefill_tokens_computed"],
-        "reused_tokens": sum(o.num_reused_tokens for o in ordered),
+        - before["prefill_tokens_computed"]
+        - (reused - recomputed if arm is not None and arm[1] > 0 else 0),
         "cached_tokens": sum(o.num_cached_tokens for o in ordered),
-        "doc_tokens": sum(n for _, n in queries),
+        "doc_tokens": sum(n for _, n in work.queries),
         "tokens": [o.outputs[0].token_ids for o in ordered],
         "first_logits": [r.logits[0].float() for r in reqs],
     }
 
 
 def compare(arm: dict[str, Any], ref: dict[str, Any]) -> dict[str, float]:
-    kls, agree, equal = [], [], 0
+    kls, agree, first, equal = [], [], 0, 0
     for lo, lr in zip(arm["first_logits"], ref["first_logits"], strict=True):
         p = torch.log_softmax(lr, -1)
         q = torch.log_softmax(lo, -1)
@@ -147,13 +107,54 @@ def compare(arm: dict[str, Any], ref: dict[str, Any]) -> dict[str, float]:
     for a, b in zip(arm["tokens"], ref["tokens"], strict=True):
         n = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
         agree.append(n / len(a))
+        first += a[0] == b[0]
         equal += a == b
     return {
         "mean_first_token_kl": sum(kls) / len(kls),
         "max_first_token_kl": max(kls),
+        "first_token_equal_share": first / len(agree),
         "greedy_agreement": sum(agree) / len(agree),
         "greedy_equal_share": equal / len(agree),
     }
+
+
+def table(work: Workload, off: dict[str, Any], arms: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Print one workload's table; returns its JSON rows."""
+    print(
+        f"\nworkload {work.name}: {len(work.register)} documents registered; "
+        f"{len(work.queries)} queries; {sum(n for _, n in work.queries)} document tokens"
+    )
+    print(
+        f"{'reuse':<18} {'doc reused':>10} {'recomputed':>10} {'prefill':>8} {'wave s':>7} "
+        f"{'cpu s':>7} {'cpu x':>6} {'mean KL':>8} {'max KL':>8} {'first':>6} {'agree':>6} "
+        f"{'equal':>6}"
+    )
+    rows = []
+    for arm in [off, *arms]:
+        q = compare(arm, off)
+        if arm["recompute_tokens"] is None:
+            name = "off (prefix)"
+        else:
+            name = f"on {arm['recompute_tokens']}:{arm['recompute_ratio']:g}"
+        share = (arm["reused_tokens"] - arm["recomputed_tokens"]) / arm["doc_tokens"]
+        speedup = off["cpu_s"] / arm["cpu_s"]
+        print(
+            f"{name:<18} {share:>10.1%} {arm['recomputed_tokens']:>10} "
+            f"{arm['prefill_tokens_computed']:>8} {arm['wall_s']:>7.1f} {arm['cpu_s']:>7.1f} "
+            f"{speedup:>5.2f}x {q['mean_first_token_kl']:>8.5f} {q['max_first_token_kl']:>8.5f} "
+            f"{q['first_token_equal_share']:>6.2f} {q['greedy_agreement']:>6.2f} "
+            f"{q['greedy_equal_share']:>6.2f}"
+        )
+        rows.append(
+            {
+                **{k: v for k, v in arm.items() if k not in ("tokens", "first_logits")},
+                "doc_reused_share": share,
+                "cpu_speedup_vs_off": speedup,
+                "wall_speedup_vs_off": off["wall_s"] / arm["wall_s"],
+                **q,
+            }
+        )
+    return rows
 
 
 def main() -> None:
@@ -161,52 +162,31 @@ def main() -> None:
     ap.add_argument("--json", help="write results here")
     ap.add_argument("--model", type=Path, default=None, help="default: SmolLM2-135M (GGUF)")
     ap.add_argument("--backend", default="eager", help="graphs.backend for every arm")
-    ap.add_argument("--docs", type=int, default=8)
-    ap.add_argument("--queries", type=int, default=8)
-    ap.add_argument("--recompute", default="0,8,16,32", help="recompute_tokens values")
+    ap.add_argument("--workloads", default="modules,reference", help=f"of {list(WORKLOADS)}")
+    ap.add_argument("--docs", type=int, default=12)
+    ap.add_argument("--queries", type=int, default=12)
+    ap.add_argument(
+        "--arms",
+        default="16:0,0:0.1,0:0.15,0:0.2,16:0.15",
+        help="recompute_tokens:recompute_ratio of each 'on' arm",
+    )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     model = args.model or default_checkpoint()
     with LLM(model=model, overrides=["graphs.backend=eager"]) as llm:
-        register, queries = build_traffic(llm, args.docs, args.queries, args.seed)
-    off = run_arm(model, args.backend, None, register, queries)
-    arms = [
-        run_arm(model, args.backend, int(r), register, queries) for r in args.recompute.split(",")
-    ]
-    cpu = cpu_name()
+        works = [
+            WORKLOADS[w](llm.tokenizer, args.docs, args.queries, args.seed)
+            for w in args.workloads.split(",")
+        ]
+    cpu = lscpu_fields().get("Model name") or cpu_name()
     print(f"position-independent reuse, {model.name}, CPU: {cpu}")
-    print(
-        f"{args.docs} documents registered; {args.queries} queries of 2 documents behind another "
-        f"system prompt; {NEW_TOKENS} greedy tokens; backend {args.backend}"
-    )
-    head = (
-        f"{'reuse':<14} {'doc reused':>10} {'prefill computed':>16} {'wave s':>8} {'speedup':>8} "
-        f"{'cpu s':>7} "
-        f"{'mean KL':>9} {'max KL':>9} {'agree':>6} {'equal':>6}"
-    )
-    print(head)
-    rows = []
-    for arm in [off, *arms]:
-        is_off = arm["recompute_tokens"] is None
-        q = compare(arm, off)
-        name = "off (prefix)" if is_off else f"on, recomp {arm['recompute_tokens']}"
-        share = arm["reused_tokens"] / arm["doc_tokens"]
-        speedup = off["wall_s"] / arm["wall_s"]
-        print(
-            f"{name:<14} {share:>10.1%} {arm['prefill_tokens_computed']:>16} "
-            f"{arm['wall_s']:>8.2f} {speedup:>7.2f}x {arm['cpu_s']:>7.1f} "
-            f"{q['mean_first_token_kl']:>9.5f} "
-            f"{q['max_first_token_kl']:>9.5f} {q['greedy_agreement']:>6.2f} "
-            f"{q['greedy_equal_share']:>6.2f}"
-        )
-        rows.append(
-            {
-                **{k: v for k, v in arm.items() if k not in ("tokens", "first_logits")},
-                "doc_reused_share": share,
-                "speedup_vs_off": speedup,
-                **q,
-            }
-        )
+    print(f"{NEW_TOKENS} greedy tokens per query; backend {args.backend}; 'cpu x' is the query")
+    print("wave's CPU-time speedup over reuse off; 'doc reused' is net of the recomputed tokens")
+    results = {}
+    for work in works:
+        off = run_arm(model, args.backend, None, work)
+        arms = [run_arm(model, args.backend, arm, work) for arm in parse_arms(args.arms)]
+        results[work.name] = table(work, off, arms)
     write_json(
         {
             "model": str(model),
@@ -215,7 +195,7 @@ def main() -> None:
             "queries": args.queries,
             "new_tokens": NEW_TOKENS,
             "backend": args.backend,
-            "arms": rows,
+            "workloads": results,
         },
         args.json,
     )

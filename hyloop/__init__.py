@@ -8,6 +8,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from hyloop import omp_policy
+
+# NOTE: before anything imports torch: libgomp reads its wait policy once, when it loads.
+omp_policy.apply_default()
+
 if TYPE_CHECKING:
     from hyloop.framework.engine import Engine as LLMEngine
     from hyloop.framework.engine_args import EngineArgs

@@ -140,6 +140,20 @@ class CacheComponent:
     def expected_locks(self, node: TreeNode, token: Any, counts: dict[int, int]) -> None:
         """Add the lock refs a receipt accounts for into ``counts`` (node id -> refs)."""
 
+    def lock_cuts(self, node: TreeNode) -> list[int]:
+        """Depths above ``node`` (page multiples, inside ancestors) to split the path at before a
+        lock at ``node``, so the lock pins whole nodes of exactly what its holder reads."""
+        return []
+
+    def unlock_before(self, node: TreeNode, token: Any, depth: int) -> Any:
+        """Release what a lock at ``node`` pins of nodes ending at or before ``depth`` (its
+        holder reads no further back); returns the receipt's new token."""
+        return token
+
+    def pinned(self, node: TreeNode, token: Any) -> int:
+        """Tokens of this component's data a lock at ``node`` pins."""
+        return 0
+
     # -- eviction -------------------------------------------------------------------------------
     def evict(self, amount: int) -> int:
         return 0

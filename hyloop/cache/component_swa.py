@@ -57,10 +57,15 @@ class SWAComponent(CacheComponent):
         window: int,
         allocator: PageAllocator | None = None,
         page_size: int = 1,
+        lock_granule: int | None = None,
     ) -> None:
         super().__init__(cache)
         if not isinstance(window, int) or window < 1:
             raise ValueError(f"sliding_window must be an int >= 1, got {window!r}")
+        if lock_granule is not None and (lock_granule < 1 or lock_granule % page_size):
+            raise ValueError(
+                f"swa lock_granule must be a multiple of {page_size}, got {lock_granule}"
+            )
         if allocator is not None and allocator.page_size != page_size:
             raise ValueError(
                 f"swa_allocator page_size {allocator.page_size} differs from {page_size}"
@@ -68,6 +73,10 @@ class SWAComponent(CacheComponent):
         self.window = window
         self.page_size = page_size
         self.allocator = allocator  # the window layers' own pool, or None (shared slots)
+        # A lock splits the window it pins into nodes of at most this many tokens (None: only
+        # where it starts), so a reader's window slides on releasing all but one granule behind
+        # it (``unlock_before``).
+        self.lock_granule = lock_granule
         self.lru = LRUList()
 
     # -- match ----------------------------------------------------------------------------------
@@ -173,8 +182,6 @@ class SWAComponent(CacheComponent):
         else:
             state.taken.append((a, b))
 
-    # -- structure ------------------------------------------------------------------------------
-
     def on_split(self, upper: TreeNode, lower: TreeNode) -> None:
         src = lower.component_data[SWA]
         dst = upper.component_data[SWA]
@@ -241,6 +248,48 @@ class SWAComponent(CacheComponent):
         while node.parent is not None and node.depth > token:
             counts[node.id] = counts.get(node.id, 0) + 1
             node = node.parent
+
+    def lock_cuts(self, node: TreeNode) -> list[int]:
+        """NOTE: a lock pins exactly the window (page rounded) before ``node``, in nodes of at
+        most ``lock_granule`` tokens: a whole-node lock would pin up to a node's length more
+        than the request's window-pool reservation counts (``pools.swa_pool``)."""
+        ps, g = self.page_size, self.lock_granule
+        start = max(0, node.depth - self.window) // ps * ps
+        grid = range((start // g + 1) * g, node.depth, g) if g else range(0)
+        out, n = [], node
+        for depth in reversed([start, *grid]):
+            while n.parent is not None and n.start_depth >= depth:
+                n = n.parent
+            if n.parent is None:
+                break
+            if n.start_depth < depth < n.depth and n.component_data[SWA].value is not None:
+                out.append(depth)  # only nodes holding window pages are worth a split
+        return out
+
+    def unlock_before(self, node: TreeNode, token: object, depth: int) -> int:
+        assert isinstance(token, int)
+        path = []
+        while node.parent is not None and node.depth > token:
+            path.append(node)
+            node = node.parent
+        for n in reversed(path):  # from the window's start down
+            if n.depth > depth:
+                break
+            cd = n.component_data[SWA]
+            cd.lock_ref -= 1
+            if cd.lock_ref == 0 and cd.value is not None:
+                self.evictable += n.length
+                self.protected -= n.length
+            token = n.depth
+        return token
+
+    def pinned(self, node: TreeNode, token: object) -> int:
+        assert isinstance(token, int)
+        held = 0
+        while node.parent is not None and node.depth > token:
+            held += 0 if node.component_data[SWA].value is None else node.length
+            node = node.parent
+        return held
 
     # -- eviction -------------------------------------------------------------------------------
     def evict(self, amount: int) -> int:

@@ -35,6 +35,10 @@ def _walk_nodes(cache: UnifiedRadixCache) -> list[TreeNode]:
                 raise AssertionError(f"tree: node {child.id} child key {ck!r} != its first page")
             if child.depth != parent.depth + child.length:
                 raise AssertionError(f"tree: node {child.id} depth {child.depth} is inconsistent")
+            if parent.approximate and not child.approximate:
+                raise AssertionError(
+                    f"tree: node {child.id} is marked exact below approximate node {parent.id}"
+                )
             nodes.append(child)
             stack.append(child)
     return nodes

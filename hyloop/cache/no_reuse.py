@@ -91,6 +91,12 @@ class NoReuseCache:
         self._receipts.discard(params.receipt_id)
         return DecLockRefResult(delta=0)
 
+    def release_before(self, receipt: IncLockRefResult, depth: int) -> IncLockRefResult:
+        return receipt  # a root receipt pins nothing
+
+    def pinned_size(self, receipt: IncLockRefResult, component: str) -> int:
+        return 0
+
     def num_outstanding_locks(self) -> int:
         return len(self._receipts)
 

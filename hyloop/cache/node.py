@@ -40,7 +40,8 @@ class ComponentData:
 
 class TreeNode:
     """A radix-tree node: ``key`` is the packed token segment from the parent, ``depth`` the
-    token count from the root to this node's end, ``child_key`` its key in ``parent.children``."""
+    token count from the root to this node's end, ``child_key`` its key in ``parent.children``;
+    ``approximate``: its KV is not what a prefill of its path computes."""
 
     __slots__ = (
         "id",
@@ -53,6 +54,7 @@ class TreeNode:
         "component_data",
         "alive",
         "heap_stamp",
+        "approximate",
     )
 
     def __init__(self, key: bytes, parent: TreeNode | None, child_key: Any, depth: int) -> None:
@@ -66,6 +68,9 @@ class TreeNode:
         self.component_data = [ComponentData(self) for _ in range(NUM_COMPONENTS)]
         self.alive = True
         self.heap_stamp = -1  # stamp of its newest FULL eviction-heap entry; -1: none
+        # Its KV is approximate: reused at another offset, or computed after such KV (so are
+        # all its descendants'). An exact-prefix match never serves it (``tree.RadixTree``).
+        self.approximate = False
 
     @property
     def full_value(self) -> torch.Tensor:

@@ -20,10 +20,13 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 @dataclass(frozen=True, slots=True)
 class MatchPrefixParams:
     """``full_only`` matches on the FULL backbone alone (no SWA window or snapshot needed):
-    a request re-matching its own freshly inserted prefix to read the tree's KV indices."""
+    a request re-matching its own freshly inserted prefix to read the tree's KV indices.
+    ``approximate`` also walks nodes holding approximate KV (``TreeNode.approximate``), which
+    an exact-prefix match stops before: only a request re-reading its own insert asks for it."""
 
     key: RadixKey
     full_only: bool = False
+    approximate: bool = False
 
 
 @dataclass(slots=True)
@@ -69,6 +72,9 @@ class InsertParams:
     token's window-pool slot, valid from ``swa_from`` (a page multiple: what the caller still
     holds). The tree keeps the window before the key's end and fills window-less nodes it already
     had from ``swa_from`` on; ``InsertResult.swa_taken`` says which slots it took.
+    ``approximate_from``: the KV of positions from here on is approximate (reused at another
+    offset, or computed after such KV); new nodes there are marked ``approximate``, and the
+    insert stops before a marked node it would fill with exact KV (None: all of it is exact).
     """
 
     key: RadixKey
@@ -76,6 +82,7 @@ class InsertParams:
     recurrent_slot: int | None = None
     swa_value: torch.Tensor | None = None
     swa_from: int = 0
+    approximate_from: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +90,8 @@ class InsertResult:
     """What the tree did with an insert.
 
     The tree already held ``value[:prefix_len]`` and freed the caller's differing copies; it owns
-    ``value[prefix_len:aligned_len]``; the unaligned tail stays with the caller. ``last_node``
+    ``value[prefix_len:aligned_len]``; the unaligned tail stays with the caller (and all from
+    ``aligned_len == prefix_len`` on when it stopped before approximate KV). ``last_node``
     ends at ``aligned_len``: move the request's lock there. ``recurrent_taken``: the tree took the
     slot (stored, or freed as a duplicate when not ``recurrent_stored``); else the caller keeps it.
     """

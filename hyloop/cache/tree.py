@@ -71,9 +71,9 @@ class RadixTree:
         self._stamp += 1
         return self._stamp
 
-    def _walk(self, key: RadixKey) -> tuple[list[TreeNode], int]:
-        """Nodes the key matches from the root, and how many tokens into the last one the match
-        ends when it ends inside it (0 when it ends on a node boundary). No side effects."""
+    def _walk(self, key: RadixKey, approximate: bool = False) -> tuple[list[TreeNode], int]:
+        """Nodes the key matches from the root (exact ones only unless ``approximate``), and how
+        many tokens into the last one the match ends inside it (0: on a boundary). Read-only."""
         tokens = key.packed
         pb = self._page_bytes
         n = len(tokens)
@@ -82,7 +82,7 @@ class RadixTree:
             return path, 0
         child = self.root.children.get((key.extra_key, tokens[:pb]))
         pos = 0
-        while child is not None:
+        while child is not None and (approximate or not child.approximate):
             path.append(child)
             m = page_match_bytes(child.key, tokens, pos, pb)
             if m < len(child.key):
@@ -113,6 +113,7 @@ class RadixTree:
         assert parent is not None and 0 < m < node.length and m % self.page_size == 0
         mb = m * TOKEN_BYTES
         upper = TreeNode(node.key[:mb], parent, node.child_key, node.start_depth + m)
+        upper.approximate = node.approximate
         parent.children[node.child_key] = upper
         value = node.component_data[FULL].value
         upper.component_data[FULL].value = value[:m]
@@ -182,8 +183,9 @@ class RadixTree:
     # -- match ----------------------------------------------------------------------------------
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         """Longest prefix of ``params.key`` every component can serve; splits the node the hit
-        ends in (at a page multiple) and refreshes each component's LRU."""
-        path, partial = self._walk(params.key)
+        ends in (at a page multiple) and refreshes each component's LRU. NOTE: it stops before
+        approximate KV unless ``params.approximate``: what it serves is what a prefill computes."""
+        path, partial = self._walk(params.key, params.approximate)
         full_len = path[-1].start_depth + partial if partial else (path[-1].depth if path else 0)
         i, m = self._select_hit(path, partial, params.full_only)
         nodes = path[:i] + ([self._split(path[i], m)] if m else [])
@@ -230,10 +232,16 @@ class RadixTree:
         node = self.root
         pos = 0  # bytes
         overlap: list[torch.Tensor] = []
+        # KV from ``approx`` (a page multiple: a page is exact only when all of it is) is not exact
+        approx = n if params.approximate_from is None else params.approximate_from
+        approx -= approx % self.page_size
         while pos < nb:
             ck = tokens[pos : pos + pb]
             child = node.children.get((key.extra_key, ck) if node is self.root else ck)
             if child is None:
+                break
+            if child.approximate and approx > pos // TOKEN_BYTES:
+                n, nb = pos // TOKEN_BYTES, pos  # NOTE: exact KV never joins approximate KV
                 break
             m = page_match_bytes(child.key, tokens, pos, pb)
             if m < len(child.key):
@@ -250,25 +258,25 @@ class RadixTree:
             node = child
         prefix_len = pos // TOKEN_BYTES
         if pos < nb:
-            cuts = sorted({d for c, state in aux for d in c.new_leaf_cuts(prefix_len, n, state)})
+            cuts = {d for c, state in aux for d in c.new_leaf_cuts(prefix_len, n, state)}
+            mark = min(max(approx, prefix_len), n)
             start = prefix_len
-            for end in [*cuts, n]:
+            for end in sorted(cuts | {mark, n} - {prefix_len}):
                 own = value[start:end].to(dtype=torch.int64, copy=True)
                 segment = tokens[start * TOKEN_BYTES : end * TOKEN_BYTES]
                 node = self._add_leaf(node, key.extra_key, segment, own, stamp)
+                node.approximate = start >= mark
                 for c, state in aux:
                     c.on_new_leaf(node, state, stamp)
                 start = end
         else:
             self.full.note_leaf(node)
         num_freed = self.full.free_duplicates(value, overlap, prefix_len) if prefix_len else 0
-        fields: dict[str, Any] = {}
+        fields: dict[str, Any] = {"aligned_len": n, "last_node": node, "num_freed": num_freed}
         for c, state in aux:
             fields.update(c.finish_insert(node, state, stamp, n == ntok and n > 0))
         self._flush_frees()
-        return InsertResult(
-            prefix_len=prefix_len, aligned_len=n, last_node=node, num_freed=num_freed, **fields
-        )
+        return InsertResult(prefix_len=prefix_len, **fields)
 
     # -- locks ----------------------------------------------------------------------------------
     def inc_lock_ref(self, node: TreeNode) -> IncLockRefResult:

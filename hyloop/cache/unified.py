@@ -1,12 +1,14 @@
 """``UnifiedRadixCache``: the UHRC tree core with the components a model's layer types need.
 
 ``components``: ``("full",)``, ``("full", "swa")`` (needs ``sliding_window``; with
-``swa_allocator`` the window layers keep a pool of their own) or ``("full", "recurrent")``
-(needs ``recurrent_allocator``: a ``SlotAllocator``, or the engine's ``RecurrentPool``).
+``swa_allocator`` the window layers keep a pool of their own; ``swa_lock_granule``: see
+``SWAComponent``) or ``("full", "recurrent")`` (needs ``recurrent_allocator``: a
+``SlotAllocator``, or the engine's ``RecurrentPool``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 from hyloop.cache.component_base import CacheComponent
@@ -14,6 +16,8 @@ from hyloop.cache.component_recurrent import RecurrentComponent, SlotOwner
 from hyloop.cache.component_swa import SWAComponent
 from hyloop.cache.invariants import check_cache
 from hyloop.cache.no_reuse import NoReuseCache
+from hyloop.cache.node import TreeNode
+from hyloop.cache.params import IncLockRefResult
 from hyloop.cache.protocol import PrefixCache
 from hyloop.cache.tree import RadixTree
 from hyloop.pools import KVPool, RecurrentPool
@@ -33,6 +37,7 @@ class UnifiedRadixCache(RadixTree):
         sliding_window: int | None = None,
         recurrent_allocator: SlotOwner | None = None,
         swa_allocator: PageAllocator | None = None,
+        swa_lock_granule: int | None = None,
     ) -> None:
         names = tuple(components)
         if set(names) not in _ALLOWED or len(set(names)) != len(names):
@@ -51,7 +56,9 @@ class UnifiedRadixCache(RadixTree):
         if "swa" in names:
             if sliding_window is None:
                 raise ValueError("components ('full', 'swa') need sliding_window=<tokens>")
-            aux.append(SWAComponent(self, sliding_window, swa_allocator, page_size))
+            aux.append(
+                SWAComponent(self, sliding_window, swa_allocator, page_size, swa_lock_granule)
+            )
         elif sliding_window is not None or swa_allocator is not None:
             raise ValueError(
                 f"sliding_window={sliding_window} / swa_allocator given without the 'swa' component"
@@ -65,6 +72,45 @@ class UnifiedRadixCache(RadixTree):
         elif recurrent_allocator is not None:
             raise ValueError("recurrent_allocator given without the 'recurrent' component")
         super().__init__(kv_allocator, page_size, aux)
+
+    # -- locks ----------------------------------------------------------------------------------
+    def inc_lock_ref(self, node: TreeNode) -> IncLockRefResult:
+        """Pin what a request at ``node`` reads: first the path is split where a component's
+        lock must start or end on a node boundary (``lock_cuts``), so it pins no more."""
+        if isinstance(node, TreeNode) and node.alive:
+            for c in self.aux:
+                for depth in c.lock_cuts(node):
+                    upper = node
+                    while upper.start_depth >= depth:
+                        assert upper.parent is not None
+                        upper = upper.parent
+                    if upper.start_depth < depth < upper.depth:
+                        self._split(upper, depth - upper.start_depth)
+        return super().inc_lock_ref(node)
+
+    def release_before(self, receipt: IncLockRefResult, depth: int) -> IncLockRefResult:
+        """Release what ``receipt``'s auxiliary locks pin of nodes ending at or before ``depth``
+        (its holder's sliding window has moved past them; FULL stays locked). Returns the
+        receipt to hand back later (the old one releases the same)."""
+        entry = self._receipts.get(receipt.receipt_id)
+        if entry is None or entry[0].node is not receipt.node:
+            raise ValueError(f"release_before: receipt {receipt.receipt_id} is not outstanding")
+        old, tokens = entry
+        fields = {}
+        for c in self.aux:
+            tokens[c.kind] = c.unlock_before(old.node, tokens[c.kind], depth)
+            fields.update(c.receipt_fields(tokens[c.kind]))
+        new = dataclasses.replace(old, **fields)
+        self._receipts[receipt.receipt_id] = (new, tokens)
+        return new
+
+    def pinned_size(self, receipt: IncLockRefResult, component: str) -> int:
+        """Tokens of ``component``'s data the outstanding ``receipt`` pins."""
+        entry = self._receipts.get(receipt.receipt_id)
+        if entry is None:
+            raise ValueError(f"pinned_size: receipt {receipt.receipt_id} is not outstanding")
+        c = self._component(component)
+        return c.pinned(entry[0].node, entry[1][c.kind])
 
     # -- sizes ----------------------------------------------------------------------------------
     def _component(self, name: str) -> CacheComponent:
@@ -104,18 +150,26 @@ class UnifiedRadixCache(RadixTree):
         check_cache(self, held)
 
 
-def build_cache(enable: bool, kv: KVPool, recurrent: RecurrentPool | None = None) -> PrefixCache:
+def build_cache(
+    enable: bool,
+    kv: KVPool,
+    recurrent: RecurrentPool | None = None,
+    swa_lock_granule: int | None = None,
+) -> PrefixCache:
     """The UHRC with the components a model's pools need (or the no-reuse stand-in): window
     data when the KV pool has a sliding-window pool, snapshots when there is a recurrent one."""
-    cls = UnifiedRadixCache if enable else NoReuseCache
     if kv.swa is not None:
-        return cls(
+        if not enable:
+            return NoReuseCache(kv.allocator, kv.page_size, ("full", "swa"), kv.swa.window)
+        return UnifiedRadixCache(
             kv_allocator=kv.allocator,
             page_size=kv.page_size,
             components=("full", "swa"),
             sliding_window=kv.swa.window,
             swa_allocator=kv.swa.allocator,
+            swa_lock_granule=swa_lock_granule,
         )
+    cls = UnifiedRadixCache if enable else NoReuseCache
     if recurrent is not None:
         return cls(
             kv_allocator=kv.allocator,

@@ -76,6 +76,7 @@ class Derived:
     sampling_defaults: dict[str, Any]  # SamplingParams fields of a request that gives none
     weight_bytes: int
     packed_linears: int
+    quantized_linears: dict[str, int]  # model.weights: Linears per format (int4, int8, dense)
     cpu_kernels: dict[str, Any] | None
 
 
@@ -103,7 +104,7 @@ def build_engine(cfg: EngineConfig, loaded: LoadedModel | None = None) -> Engine
     if loaded is None:
         if not cfg.model.path:
             raise ValueError("model.path: no checkpoint given")
-        loaded = load_model(cfg.model.path, dtype, device)
+        loaded = load_model(cfg.model.path, dtype, device, cfg.model.weights)
     model, contract = loaded.model, loaded.model.contract
     max_running = cfg.scheduler.max_running_requests
     buckets = usable_buckets(cfg.graphs.buckets, max_running)
@@ -143,13 +144,16 @@ def build_engine(cfg: EngineConfig, loaded: LoadedModel | None = None) -> Engine
             )
 
     # -- cache ----------------------------------------------------------------------------------
-    tree = build_cache(cfg.cache.enable, kv, recurrent)
+    # A window lock pins nodes of at most a prefill chunk (``SWAComponent.lock_cuts``).
+    granule = max(kv.page_size, cfg.scheduler.prefill_chunk // kv.page_size * kv.page_size)
+    tree = build_cache(cfg.cache.enable, kv, recurrent, swa_lock_granule=granule)
     reuse = None
     if cfg.cache.position_independent.enable:
         # Refuses, naming why, models whose KV cannot move (recurrent, sliding window).
         shifter = shifter_for(contract, type(model).__name__)
         assert isinstance(tree, UnifiedRadixCache)
-        reuse = PositionIndependentReuse(tree, kv, shifter, cfg.cache.position_independent)
+        pi = cfg.cache.position_independent
+        reuse = PositionIndependentReuse(tree, kv, shifter, pi, contract.selective_recompute)
     windows = SWAWindows(kv.swa, cfg.scheduler.prefill_chunk) if kv.swa is not None else None
     cache = RequestCache(
         tree, kv.allocator, req_to_token, recurrent, max_context, track_interval, windows, reuse
@@ -201,6 +205,7 @@ def build_engine(cfg: EngineConfig, loaded: LoadedModel | None = None) -> Engine
         },
         weight_bytes=loaded.weight_bytes,
         packed_linears=len(cpu.layers) if cpu is not None else 0,
+        quantized_linears=dict(loaded.quantized),
         cpu_kernels=cpu.summary() if cpu is not None else None,
     )
     log.info("hyloop assembly: %s", asdict(derived))
@@ -325,5 +330,6 @@ def step_history(cfg: EngineConfig, kind: str) -> StepHistory:
         cfg.model.cpu_packed_linear,
         cfg.model.cpu_kernels,
         cfg.model.cpu_ops is not False and cpu_ops.available(),
+        cfg.model.weights,
     )
     return StepHistory(cache_dir() / "steps" / f"{key}.json")

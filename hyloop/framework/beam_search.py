@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm.auto import tqdm
 
 from hyloop.framework.outputs import Logprob, RequestOutput
-from hyloop.framework.prompts import as_batch
+from hyloop.framework.prompts import as_batch, cache_salt
 from hyloop.framework.sampling_params import NotSupportedError, RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -122,6 +122,7 @@ class BeamSearchInstance:
         )
         self.beams: list[BeamSearchSequence] = [first]
         self.completed: list[BeamSearchSequence] = []
+        self.cache_salt: str | None = None  # the prompt's, for every beam's request
 
 
 def get_beam_search_score(
@@ -202,10 +203,11 @@ class BeamSearch:
                 f"beam_search(): concurrency_limit: got {limit!r}; expected None or an int >= 1"
             )
         batch = as_batch(prompts)
-        instances = [
-            BeamSearchInstance(self.engine.validate_prompt(f"beam_search prompts[{i}]", p))
-            for i, p in enumerate(batch)
-        ]
+        instances = []
+        for i, p in enumerate(batch):
+            where = f"beam_search prompts[{i}]"
+            instances.append(BeamSearchInstance(self.engine.validate_prompt(where, p)))
+            instances[-1].cache_salt = cache_salt(where, p)
         limit = limit or max(1, len(instances))
         groups = [instances[i : i + limit] for i in range(0, len(instances), limit)]
         steps = self.params.max_tokens
@@ -236,7 +238,7 @@ class BeamSearch:
         live = [(g, beam) for g, inst in enumerate(group) for beam in inst.beams]
         if not live:
             return False
-        outputs = self._expand([beam.tokens for _, beam in live])
+        outputs = self._expand([(beam.tokens, group[g].cache_salt) for g, beam in live])
         candidates: list[list[BeamSearchSequence]] = [[] for _ in group]
         for (g, beam), out in zip(live, outputs, strict=True):
             entry = out.outputs[0].logprobs if out is not None else None
@@ -262,16 +264,18 @@ class BeamSearch:
             inst.beams = sorted(cands, key=self.sort_key, reverse=True)[:width]
         return True
 
-    def _expand(self, seqs: list[list[int]]) -> list[RequestOutput | None]:
-        """One token and its top logprobs for each sequence, as one batch of requests."""
+    def _expand(self, seqs: list[tuple[list[int], str | None]]) -> list[RequestOutput | None]:
+        """One token and its top logprobs for each sequence (with its cache salt), as one batch
+        of requests."""
         engine = self.engine
         ids = [f"{self.tag}-{self._steps}-{i}" for i in range(len(seqs))]
         self._steps += 1
         pending = set(ids)
         outs: dict[str, RequestOutput] = {}
         try:
-            for rid, seq in zip(ids, seqs, strict=True):
-                engine.add_request(rid, seq, self.step_params)
+            for rid, (seq, salt) in zip(ids, seqs, strict=True):
+                prompt = seq if salt is None else {"prompt_token_ids": seq, "cache_salt": salt}
+                engine.add_request(rid, prompt, self.step_params)
             while len(outs) < len(ids) and engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished and out.request_id in pending:

@@ -64,6 +64,13 @@ class ModelSection(_Section):
         "auto uses them when built and otherwise builds them in the background for later "
         "runs; false: plain torch ops",
     )
+    weights: Literal["auto", "dequantize", "int8", "int4"] = Field(
+        "auto",
+        description="Linear weights: auto (a GGUF's quantized tensors stay quantized where CPU "
+        "kernels run them: 4-bit blocks as int4 with the file's codes, other types as int8; "
+        "dense checkpoints stay dense), dequantize (every weight dense in dtype), int8 / int4 "
+        "(every large Linear so, requantized where the file held another format)",
+    )
 
 
 class KVPoolSection(_Section):
@@ -106,13 +113,23 @@ class PositionIndependentSection(_Section):
     )
     window: int = Field(64, ge=1, le=64, description="tokens the chunk-boundary hash depends on")
     boundary_bits: int = Field(
-        7, ge=1, le=32, description="a chunk ends where this many top hash bits are 0"
+        6, ge=1, le=32, description="a chunk ends where this many top hash bits are 0"
     )
     min_chunk: int = Field(32, ge=1, description="shortest chunk (tokens)")
     max_chunk: int = Field(512, ge=1, description="longest chunk (tokens)")
     sink_tokens: int = Field(32, ge=0, description="leading positions never reused (sinks)")
     recompute_tokens: int = Field(
         16, ge=0, description="leading tokens of each reused run computed anyway"
+    )
+    recompute_ratio: float = Field(
+        0.15,
+        ge=0.0,
+        le=1.0,
+        description="share of each prefill chunk's reused tokens computed again, those whose "
+        "K at check_layer deviates most (CacheBlend); 0: reused spans skip prefill",
+    )
+    check_layer: int = Field(
+        1, ge=1, description="layer whose fresh K/V picks the tokens recompute_ratio recomputes"
     )
 
     @model_validator(mode="after")

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from hyloop.cache.lease import RequestCache
 from hyloop.framework.config import EngineConfig
 from hyloop.framework.controls import RequestControls
+from hyloop.framework.faults import ENGINE_FAULTS, stop_engine
 from hyloop.framework.loops import OverlapLoop, SyncLoop
 from hyloop.framework.outputs import RequestOutput
 from hyloop.framework.parallel import ParallelSamples, forks_of
@@ -76,6 +77,8 @@ class Engine:
             self._loop = self._overlap_loop()
         self.finished = 0
         self.aborted = 0
+        self.failed = 0  # finished with finish reason ``error`` (``faults``)
+        self.stopped: str | None = None  # why it stopped (a broken invariant), if it did
         self._idle = True  # no job running: the next step starts one
         self._closed = False
         self._lock = threading.Lock()
@@ -109,6 +112,8 @@ class Engine:
         name the request; a bad one never reaches the engine."""
         if lora_request is not None:
             raise NotSupportedError(f"request {request_id!r}: lora_request is not supported")
+        if self.stopped is not None:
+            raise RuntimeError(f"request {request_id!r}: {self.stopped}")
         if isinstance(sampling_params, SamplingParams) and forks_of(sampling_params) > 1:
             sampling_params.validate(
                 f"request {request_id!r} sampling_params", self.cfg.model.max_logprobs
@@ -222,10 +227,15 @@ class Engine:
                 raise RuntimeError("Engine.step: already running on another thread")
             self._in_step = True
         try:
-            if self._idle and self.scheduler.waiting:
+            if self.stopped is not None:  # what was queued as it stopped ends the same way
+                self.scheduler.fail_all(self.stopped)
+            elif self._idle and self.scheduler.waiting:
                 self._start_job()
             outputs = self.scheduler.take_outputs()
-            outputs += self._loop.step()
+            try:
+                outputs += self._loop.step()
+            except ENGINE_FAULTS as e:  # nobody's fault: every request ends with it, reported
+                self.stopped = stop_engine(self._loop, self.scheduler, e)
             outputs += self.scheduler.take_outputs()
         finally:
             with self._lock:
@@ -242,6 +252,7 @@ class Engine:
             if out.finished:
                 self.finished += 1
                 self.aborted += out.outputs[0].finish_reason == "abort"
+                self.failed += out.outputs[0].finish_reason == "error"
         with self._lock:  # abort_request may read the forks from another thread
             outputs = self._parallel.join(outputs)
         if not self.has_unfinished_requests() and not self._idle:
@@ -296,6 +307,11 @@ class Engine:
             self._overlap.close()
         self.graphs.close()
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: empty the prefix cache (and the donor index); False while requests run."""
+        busy = self._in_step or self.has_unfinished_requests()
+        return not busy and self.scheduler.cache.clear()
+
     # -- introspection --------------------------------------------------------------------------
     def request(self, request_id: str) -> Request | None:
         return self.scheduler.get(request_id)
@@ -318,7 +334,10 @@ class Engine:
         sched = self.scheduler
         kv = sched.cache.kv
         d.update(cached_tokens=sched.cached_tokens, reused_tokens=sched.reused_tokens)
+        selective = sched.cache.reuse.selective if sched.cache.reuse is not None else None
+        d["recomputed_tokens"] = selective.recomputed if selective is not None else 0
         d.update(requests_finished=self.finished, requests_aborted=self.aborted)
+        d["requests_failed"] = self.failed
         d.update(self.graphs.stats())
         d.update(lookahead=self.lookahead_enabled, weight_bytes=self.derived.weight_bytes)
         free = kv.available_size()

@@ -205,6 +205,10 @@ class LLM:
             bar.close()
             self.last_run_seconds = time.perf_counter() - t0
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: empty the prefix cache; False (nothing changed) while requests run."""
+        return self.engine.reset_prefix_cache()
+
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
 

@@ -48,6 +48,8 @@ def run_blocking(
 ) -> list[RequestOutput]:
     """Prepare, launch and resolve ``batch`` on this thread (its scheduling began at ``since``)."""
     pending = pipeline.prepare(batch)
+    if pending is None:  # each of its requests failed while it was prepared
+        return []
     try:
         launched = pipeline.launch(pending)
     except BaseException:
@@ -77,8 +79,17 @@ class SyncLoop:
             return []
         return run_blocking(self.pipeline, self.recorder, batch, t0)
 
+    def reset(self) -> None:
+        abandon_all(self.pipeline)
+
     def close(self) -> None:
         return None
+
+
+def abandon_all(pipeline: StepPipeline) -> None:
+    """After an engine fault (``faults``): every prepared or launched step is given up."""
+    for pending in pipeline.unresolved():
+        pipeline.abandon(pending)
 
 
 Resolved = tuple[list[RequestOutput], InflightStep | None]
@@ -101,6 +112,11 @@ class OverlapLoop:
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
+    def reset(self) -> None:
+        """After an engine fault: nothing is in flight or planned any more."""
+        self._inflight = self._plan = None
+        abandon_all(self.pipeline)
+
     def step(self) -> list[RequestOutput]:
         pipe, rec = self.pipeline, self.recorder
         t0 = rec.now()
@@ -112,6 +128,8 @@ class OverlapLoop:
             if not batch.is_decode or batch.size < self.min_batch:
                 return run_blocking(pipe, rec, batch, t0)
             first = pipe.prepare(batch)
+            if first is None:  # each of its requests failed while it was prepared
+                return []
             try:
                 self._inflight = pipe.launch(first, blocking=False)
             except BaseException:

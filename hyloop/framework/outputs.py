@@ -1,7 +1,8 @@
 """What a request hands back, in vLLM's shapes: ``RequestOutput`` holding one
 ``CompletionOutput`` per sample, with ``Logprob`` entries. hyloop's additions:
-``RequestOutput.num_reused_tokens`` (prompt tokens whose KV came from another offset) and
-``CompletionOutput.rows`` (the generated rows of a multi-channel model)."""
+``RequestOutput.num_reused_tokens`` (prompt tokens whose KV came from another offset), of those
+``num_recomputed_tokens`` (computed again by selective recompute) and ``CompletionOutput.rows``
+(the generated rows of a multi-channel model)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ class Logprob:
 
 @dataclass
 class CompletionOutput:
-    """One sample of a request. ``finish_reason``: ``stop`` | ``length`` | ``abort`` (None while
-    running); ``stop_reason``: the stop token id that ended it (None for EOS or a length stop)."""
+    """One sample of a request. ``finish_reason``: ``stop`` | ``length`` | ``abort`` | ``error``
+    (None while running); ``stop_reason``: the stop token id that ended it (None for EOS or a
+    length stop); ``error`` (hyloop's): what failed when the finish reason is ``error``."""
 
     index: int
     text: str
@@ -34,6 +36,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     rows: list[list[int]] | None = None  # multi-channel models: the generated rows [C] each
+    error: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -58,7 +61,7 @@ class RequestMetrics:
 class RequestOutput:
     """A request's output so far (``finished``: its last one). ``prompt`` is the text prompt (a
     chat rendered with its template) or None for a token prompt; ``num_cached_tokens``: prompt
-    tokens served from the exact-prefix cache."""
+    tokens served from the exact-prefix cache (exact KV only; approximate KV counts as reused)."""
 
     request_id: str
     prompt: str | None
@@ -69,7 +72,13 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     num_reused_tokens: int = 0
+    num_recomputed_tokens: int = 0
     encoder_prompt: str | None = None
     encoder_prompt_token_ids: list[int] | None = None
     lora_request: None = None
     kv_transfer_params: dict[str, object] | None = field(default=None, repr=False)
+
+    @property
+    def error(self) -> str | None:
+        """hyloop's: what failed, when a sample finished with reason ``error``."""
+        return next((c.error for c in self.outputs if c.error is not None), None)

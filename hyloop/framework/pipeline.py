@@ -70,9 +70,29 @@ class StepPipeline:
         """Admit what fits and pick the next batch (None: nothing to run)."""
         return self.scheduler.next_batch()
 
-    def prepare(self, batch: Batch, source_rows: torch.Tensor | None = None) -> InflightStep:
-        """Host side of a launch: the scheduler's bookkeeping, then the step's device inputs."""
-        reads = self.scheduler.prepare(batch)
+    def prepare(
+        self, batch: Batch, source: list[int] | None = None, rows: int = 0
+    ) -> InflightStep | None:
+        """Host side of a launch: the scheduler's bookkeeping, then the step's device inputs.
+        A request whose part raises fails and leaves the batch (None: none is left). A plan's
+        ``source``: each chunk's row in the previous step's output (of ``rows``)."""
+        chunks = list(batch.chunks)
+        self.scheduler.prepare(batch)
+        for c in list(batch.chunks):
+            try:
+                self.kind.bind(c)
+            except Exception as e:
+                self.scheduler.drop_chunk(batch, c, e)
+        if not batch.chunks:
+            return None
+        source_rows = None
+        if source is not None:
+            alive = {id(c) for c in batch.chunks}
+            kept = [r for r, c in zip(source, chunks, strict=True) if id(c) in alive]
+            if kept != list(range(rows)):
+                source_rows = self.kind.to_device(torch.tensor(kept, dtype=torch.int64))
+        # The KV slots the step reads, taken now: a release drops the lease.
+        reads = [(c.req.lease.slots, c.start + c.length) for c in batch.chunks if c.req.lease]
         step = self.kind.build(batch, keep_logits=self.capture_logits)
         inflight = InflightStep(batch, step, self.fence.issue(), source_rows, reads)
         self._unresolved[inflight.gen] = inflight
@@ -100,10 +120,11 @@ class StepPipeline:
             chunks.append(Chunk(req, start, 1, out_pos=req.num_sampled))
         if not chunks or len(chunks) < min_batch:
             return None
-        index = None
-        if len(rows) < len(after.chunks):
-            index = self.kind.to_device(torch.tensor(rows, dtype=torch.int64))
-        return self.prepare(Batch(chunks, is_decode=True, planned=True), index)
+        windows = sched.cache.windows
+        spans = [(c.req.request_id, c.start, c.start + 1) for c in chunks]
+        if windows is not None and not windows.room(spans):
+            return None  # a window page would wait for an eviction behind the running step
+        return self.prepare(Batch(chunks, is_decode=True, planned=True), rows, len(after.chunks))
 
     # -- launch ---------------------------------------------------------------------------------
     def launch(
@@ -162,7 +183,11 @@ class StepPipeline:
         del self._unresolved[step.gen]
         assert step.output is not None and ids is not None
         try:  # first the masks a launched step may be waiting for (``token_masks``)
-            self.kind.advance_grammars(step.batch, ids)
+            for i, c in enumerate(step.batch.chunks):
+                try:
+                    self.kind.advance_grammar(step.batch, i, ids[i])
+                except Exception as e:
+                    self.scheduler.fail(c.req, e)
         finally:
             self.kind.mask_gate.release()
         return self.scheduler.resolve(step.batch, step.output, ids, rows)

@@ -1,5 +1,6 @@
 """Prompts in vLLM's forms: a ``str``, a ``list[int]`` of token ids, a ``TextPrompt`` or
-``TokensPrompt`` dict, or a list of any of these."""
+``TokensPrompt`` dict, or a list of any of these. A dict's ``cache_salt`` (vLLM's field) names
+the prompt's cache namespace: prompts with different salts never share cached KV."""
 
 from __future__ import annotations
 
@@ -11,22 +12,23 @@ from hyloop.framework.sampling_params import NotSupportedError
 
 class TextPrompt(TypedDict):
     prompt: str
+    cache_salt: NotRequired[str]
 
 
 class TokensPrompt(TypedDict):
     prompt_token_ids: list[int]
     prompt: NotRequired[str]  # the text the ids came from, echoed in the output
+    cache_salt: NotRequired[str]
 
 
 PromptType = str | list[int] | TextPrompt | TokensPrompt
-_KNOWN = {"prompt", "prompt_token_ids"}
+_KNOWN = {"prompt", "prompt_token_ids", "cache_salt"}
 _VLLM_ONLY = {
     "multi_modal_data",
     "mm_processor_kwargs",
     "multi_modal_uuids",
     "prompt_embeds",
     "token_type_ids",
-    "cache_salt",
     "encoder_prompt",
     "decoder_prompt",
 }
@@ -76,6 +78,16 @@ def split_prompt(where: str, prompt: Any) -> tuple[str | None, list[int] | str |
             raise ValueError(f"{where}: prompt: got {type(text).__name__}; expected a str")
         return text, text
     raise ValueError(f"{where}: a prompt dict needs `prompt` or `prompt_token_ids`")
+
+
+def cache_salt(where: str, prompt: Any) -> str | None:
+    """A prompt dict's ``cache_salt`` (None: none given), or a ValueError naming ``where``."""
+    if not isinstance(prompt, dict) or prompt.get("cache_salt") is None:
+        return None
+    salt = prompt["cache_salt"]
+    if not isinstance(salt, str) or not salt:
+        raise ValueError(f"{where}: cache_salt: got {salt!r}; expected a non-empty string")
+    return salt
 
 
 def _is_token_list(value: Any) -> bool:

@@ -14,7 +14,7 @@ import torch
 from hyloop.cache.lease import Lease
 from hyloop.framework.detokenizer import IncrementalText, output_text
 from hyloop.framework.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from hyloop.framework.prompts import split_prompt
+from hyloop.framework.prompts import cache_salt, split_prompt
 from hyloop.framework.sampling_params import RequestOutputKind, SamplingParams
 from hyloop.framework.stop_strings import check_stop_request
 from hyloop.graphs.ops import row_keys
@@ -48,6 +48,7 @@ class Request:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     logits: list[torch.Tensor] | None = None  # debug capture (engine.capture_logits)
     finish_reason: str | None = None
+    error: str | None = None  # finish reason ``error``: what failed (``framework.faults``)
     controls: Any = None  # its logits controls as step-table rows (``controls.Controls``)
     grammar: Any = None  # structured outputs: its ``structured.GrammarMatcher``
     lease: Lease | None = None  # what it holds of the pools and the tree while it runs
@@ -58,6 +59,8 @@ class Request:
     # admission (ascending); prefill skips them. ``num_reused`` counts their tokens.
     reused_spans: list[tuple[int, int]] = field(default_factory=list)
     num_reused: int = 0
+    num_recomputed: int = 0  # of the reused, tokens selective recompute computed again
+    cache_salt: str | None = None  # its cache namespace (a prompt's ``cache_salt``)
     num_emitted: int = 0  # output tokens handed out so far (``delta`` outputs start here)
     text_emitted: int = 0  # characters of output text handed out so far
     text_state: IncrementalText | None = None  # its text so far (``detokenizer``)
@@ -72,6 +75,11 @@ class Request:
     @property
     def reads_cache(self) -> bool:
         return self.prompt_logprobs is None
+
+    @property
+    def extra_key(self) -> str | None:
+        """Its namespace in the radix tree and the donor index."""
+        return self.cache_salt
 
     def next_prefill_span(self) -> tuple[int, int]:
         """``(start, stop)``: the next prompt positions to compute, from ``num_computed`` past
@@ -161,6 +169,7 @@ def request_output(req: Request, tokenizer: Any) -> RequestOutput:
         finish_reason=req.finish_reason,
         stop_reason=req.stop_reason,
         rows=[list(r) for r in rows[start:]] if rows is not None else None,
+        error=req.error,
     )
     return RequestOutput(
         request_id=req.request_id,
@@ -174,6 +183,7 @@ def request_output(req: Request, tokenizer: Any) -> RequestOutput:
         ),
         num_cached_tokens=req.num_cached,
         num_reused_tokens=req.num_reused,
+        num_recomputed_tokens=req.num_recomputed,
     )
 
 
@@ -299,6 +309,7 @@ def new_request(
         logits=[] if capture_logits else None,
         prompt_rows=rows,
         output_rows=[] if rows is not None else None,
+        cache_salt=cache_salt(f"request {request_id!r}", prompt),
     )
 
 

@@ -3,13 +3,21 @@
 Admission asks for a plan after the exact-prefix match, locks each reused run's donor, makes
 room, allocates the request's pages and realises the plan into them (V copied, K rotated by the
 position delta); then releases the donors. Commits record what the tree now holds, so later
-prompts can reuse it. The cache side (``hyloop.cache.position_independent``) knows nothing of
-RoPE; the shift (``hyloop.models.kv_shift``) knows nothing of the tree.
+prompts can reuse it (the tree marks it approximate). The cache side
+(``hyloop.cache.position_independent``) knows nothing of RoPE; the shift
+(``hyloop.models.kv_shift``) knows nothing of the tree.
+
+With ``recompute_ratio > 0`` (and a model whose contract has ``selective_recompute``) prefill runs
+through the reused spans instead of skipping them: ``SelectiveRecompute.blend`` marks each
+chunk's reused tokens and sizes how many go past the check layer (``models.blend``), and the
+host counts exactly which share was recomputed without reading the device.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -19,9 +27,51 @@ from hyloop.cache.position_independent.chunker import Chunker, ChunkerParams
 from hyloop.cache.position_independent.index import DonorIndex
 from hyloop.cache.position_independent.planner import ReusePlan, ReusePlanner
 from hyloop.framework.config import PositionIndependentSection
-from hyloop.framework.requests import Request
+from hyloop.framework.requests import Chunk, Request
+from hyloop.graphs.step_batch import Blend
 from hyloop.models.kv_shift import KVShifter
 from hyloop.pools import KVPool
+
+
+@dataclass
+class SelectiveRecompute:
+    """Of each prefill chunk's reused tokens, ``ratio`` (rounded up) run on past
+    ``check_layer``: those whose K there deviates most from the donor's."""
+
+    ratio: float
+    check_layer: int
+    recomputed: int = 0  # reused tokens computed again, all requests
+
+    def blend(
+        self,
+        chunks: list[Chunk],
+        width: int,
+        to_device: Callable[[torch.Tensor], torch.Tensor],
+    ) -> Blend | None:
+        """The ``Blend`` of a prefill step over ``chunks`` padded to ``width`` tokens (None:
+        every token runs every layer); counts the reused tokens it recomputes, per request."""
+        reused = torch.zeros(len(chunks), width, dtype=torch.bool)
+        counts, need = [], []
+        for i, c in enumerate(chunks):
+            lease = c.req.lease
+            spans = lease.blend_spans if lease is not None and lease.selective is self else []
+            end = c.start + c.length
+            for s, e in spans:
+                if s < end and e > c.start:
+                    reused[i, max(s, c.start) - c.start : min(e, end) - c.start] = True
+            n = int(reused[i].sum())
+            counts.append(n)
+            need.append(c.length - n + math.ceil(self.ratio * n))
+        keep = max(need)
+        whole = keep >= width or not any(counts)  # every token runs every layer
+        for c, n, m in zip(chunks, counts, need, strict=True):
+            done = n if whole else m - (c.length - n)
+            c.req.num_recomputed += done
+            self.recomputed += done
+        if whole:
+            return None
+        quota = torch.tensor(need, dtype=torch.int64)
+        return Blend(to_device(reused), to_device(quota), keep, self.check_layer)
 
 
 class PositionIndependentReuse:
@@ -31,8 +81,11 @@ class PositionIndependentReuse:
         kv: KVPool,
         shifter: KVShifter,
         section: PositionIndependentSection,
+        selective_recompute: bool = False,
         force_collisions: bool = False,
     ) -> None:
+        """``selective_recompute``: the model's forward can recompute part of reused KV
+        (``ModelContract.selective_recompute``); without it only the fixed head is."""
         if "full" not in cache.component_names or len(cache.component_names) != 1:
             raise ValueError(
                 f"cache.position_independent: the cache has components {cache.component_names}; "
@@ -50,6 +103,9 @@ class PositionIndependentReuse:
         self.planner = ReusePlanner(self.index, kv.page_size, section.recompute_tokens)
         self.kv = kv
         self.shifter = shifter
+        self.selective: SelectiveRecompute | None = None
+        if selective_recompute and section.recompute_ratio > 0:
+            self.selective = SelectiveRecompute(section.recompute_ratio, section.check_layer)
 
     def note(self, req: Request, key: RadixKey, r: InsertResult) -> None:
         """``req`` committed ``key``; the tree now holds its first ``r.aligned_len`` tokens."""
@@ -58,11 +114,12 @@ class PositionIndependentReuse:
             rows = _rows(req)[: r.aligned_len]
         self.index.note(key, r.aligned_len, r.last_node, r.prefix_len, rows)
 
-    def plan(self, req: Request, cached: int, extra_key: Hashable = None) -> ReusePlan:
-        """Reuse for the prompt positions before the last (whose logits the prefill needs)."""
+    def plan(self, req: Request, cached: int) -> ReusePlan:
+        """Reuse for the prompt positions before the last (whose logits the prefill needs),
+        from donors of the request's own namespace (``extra_key``) only."""
         n = len(req.prompt_ids) - 1
         rows = req.prompt_rows[:n].numpy() if req.prompt_rows is not None else None
-        return self.planner.plan(req.prompt_ids[:n], cached, extra_key, rows)
+        return self.planner.plan(req.prompt_ids[:n], cached, req.extra_key, rows)
 
     def realise(self, plan: ReusePlan, slots: torch.Tensor) -> None:
         """Write every reused run into ``slots`` (the request's own pages at those positions)."""

@@ -10,28 +10,32 @@ The scheduler owns the live requests and their leases and calls down into the re
 nothing calls back. The pipeline calls ``next_batch`` and ``prepare`` before a step and
 ``resolve`` after it; the engine calls ``add`` and ``abort``. Both happen on one thread at a
 time: the engine applies user calls only at step boundaries, and a step's resolve runs on the
-overlap thread only while the scheduler thread waits for it.
+overlap thread only while the scheduler thread waits for it. A request whose own work raises
+fails alone (``fail``); a broken invariant is raised on (``framework.faults``).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections import deque
 from typing import Any
 
-import torch
-
 from hyloop.cache import RadixKey
 from hyloop.cache.lease import RequestCache
 from hyloop.framework.config import SchedulerSection
 from hyloop.framework.detokenizer import stop_string_hit
-from hyloop.framework.outputs import Logprob, RequestOutput
+from hyloop.framework.faults import bare_output, describe, is_engine_fault
+from hyloop.framework.outputs import RequestOutput
 from hyloop.framework.requests import Batch, Chunk, Request, Status, request_output
 from hyloop.framework.sampling_params import RequestOutputKind
+from hyloop.framework.step_logprobs import prompt_entries, sampled_entry
 from hyloop.graphs.capture import Outlook
 from hyloop.graphs.step_batch import StepOutput
-from hyloop.pools import StepFence
+from hyloop.pools import LedgerError, StepFence
+
+log = logging.getLogger(__name__)
 
 # A request is held back one step when an admitted, still-prefilling request shares at least this
 # many more prompt tokens with it than the cache can serve: it will hit them after the insert.
@@ -94,9 +98,9 @@ class Scheduler:
     def _defers(self, req: Request) -> bool:
         """Whether an admitted, still-prefilling request is about to insert a prefix ``req``
         shares (so it would recompute it now and hit it one step later)."""
-        cached = self.cache.tree.peek_prefix_len(RadixKey(req.prompt_ids[:-1]))
+        cached = self.cache.tree.peek_prefix_len(RadixKey(req.prompt_ids[:-1], req.extra_key))
         for other in self.running:
-            if not other.prefill_done:
+            if not other.prefill_done and other.extra_key == req.extra_key:
                 shared = len(os.path.commonprefix([req.prompt_ids[:-1], other.prompt_ids]))
                 if shared - cached >= max(DEFER_MIN_SHARED, self.cache.page_size):
                     return True
@@ -117,7 +121,11 @@ class Scheduler:
             if self._defers(req):
                 deferred.append(req)
                 continue
-            lease = self.cache.admit(req)
+            try:
+                lease = self.cache.admit(req)  # NOTE: on an error it holds nothing
+            except Exception as e:
+                self.fail(req, e)
+                continue
             if lease is None:
                 self.waiting.appendleft(req)
                 break  # FIFO: later requests wait behind the head (no starvation)
@@ -148,25 +156,39 @@ class Scheduler:
             return Batch(chunks, is_decode=False)
         if self.running:
             return Batch([Chunk(r, r.total_len - 1, 1) for r in self.running], is_decode=True)
-        if self.waiting:
-            raise RuntimeError(
+        if self.waiting:  # add_request refuses what can never fit: a broken promise
+            raise LedgerError(
                 f"request {self.waiting[0].request_id!r} cannot be admitted into an idle engine "
                 "(pool too small for it)"
             )
         return None
 
-    def prepare(self, batch: Batch) -> list[tuple[torch.Tensor, int]]:
-        """Host work before a step: window pages, track slots, sampled-token counters. Returns
-        the KV slots the step reads (taken now: a release drops the lease)."""
-        for c in batch.chunks:
-            if c.req.lease is not None:
-                self.cache.advance_window(c.req, c.req.lease, c.start, c.start + c.length)
-            c.track_slot = self.cache.take_track_slot(c.start + c.length)
+    def prepare(self, batch: Batch) -> None:
+        """Host work before a step: window pages, track slots, sampled-token counters. A
+        request whose part raises fails, and its chunk leaves the batch."""
+        for c in list(batch.chunks):
+            try:
+                if c.req.lease is not None:
+                    self.cache.advance_window(c.req, c.req.lease, c.start, c.start + c.length)
+                c.track_slot = self.cache.take_track_slot(c.start + c.length)
+            except Exception as e:
+                self.drop_chunk(batch, c, e)
+                continue
             if batch.is_decode or c.completes_prompt:
                 if c.out_pos < 0:
                     c.out_pos = c.req.num_sampled
                 c.req.num_sampled += 1
-        return [(c.req.lease.slots, c.start + c.length) for c in batch.chunks if c.req.lease]
+
+    def drop_chunk(self, batch: Batch, chunk: Chunk, error: Exception) -> None:
+        """``chunk``'s request failed while its step was prepared: it fails, and its chunk (and
+        its track slot) leave the batch. A broken invariant gives up the whole step."""
+        if is_engine_fault(error):
+            self.abandon(batch)
+            raise error
+        self.fail(chunk.req, error)
+        self.cache.drop_track_slot(chunk.track_slot)
+        chunk.track_slot = 0
+        batch.chunks.remove(chunk)
 
     def abandon(self, batch: Batch) -> None:
         """A prepared step that will never run: its track slots go back."""
@@ -190,34 +212,50 @@ class Scheduler:
             req = chunk.req
             if req.status is not Status.RUNNING:
                 continue  # finished or aborted before this step resolved: token discarded
-            req.num_computed = chunk.start + chunk.length
-            if req.prompt_logprobs is not None and not batch.is_decode:
-                req.prompt_logprobs += _prompt_entries(out, i, chunk, req.params.prompt_logprobs)
-            if not batch.is_decode and not chunk.completes_prompt:
+            try:
+                got = self._resolve_one(batch, i, out, next_ids, next_rows)
+            except Exception as e:
+                self.fail(req, e)
                 continue
-            tok = next_ids[i]
-            if not req.output_ids:
-                req.first_token_time = time.time()
-            req.output_ids.append(tok)
-            if req.output_rows is not None and next_rows is not None:
-                req.output_rows.append(next_rows[i])
-            if req.logprobs is not None:
-                req.logprobs.append(_logprob_entry(out, i, tok, req.params.logprobs or 0))
-            if req.logits is not None and out.logits is not None:
-                req.logits.append(out.logits[i].clone())
-            reason: str | None = None
-            if len(req.output_ids) >= req.max_new:  # vLLM checks the length first
-                reason = "length"
-            elif tok in req.stop_ids:
-                req.stop_reason, reason = (tok if tok in req.stop_reasons else None), "stop"
-            # then the stop strings, on the text: past a length stop, never past a stop token
-            if reason != "stop" and (hit := stop_string_hit(req, self.tokenizer)) is not None:
-                req.stop_reason, reason = hit, "stop"
-            if reason is not None:
-                self.finish(req, reason)
-            elif req.params.output_kind is not RequestOutputKind.FINAL_ONLY:
-                outs.append(self.output(req))
+            if got is not None:
+                outs.append(got)
         return outs
+
+    def _resolve_one(
+        self, batch: Batch, i: int, out: StepOutput, ids: list[int], rows: list[list[int]] | None
+    ) -> RequestOutput | None:
+        """Row ``i`` of a resolved step: its request's token, logprobs and stop checks; its
+        running output when it streams."""
+        chunk = batch.chunks[i]
+        req = chunk.req
+        req.num_computed = chunk.start + chunk.length
+        if req.prompt_logprobs is not None and not batch.is_decode:
+            req.prompt_logprobs += prompt_entries(out, i, chunk, req.params.prompt_logprobs)
+        if not batch.is_decode and not chunk.completes_prompt:
+            return None
+        tok = ids[i]
+        if not req.output_ids:
+            req.first_token_time = time.time()
+        req.output_ids.append(tok)
+        if req.output_rows is not None and rows is not None:
+            req.output_rows.append(rows[i])
+        if req.logprobs is not None:
+            req.logprobs.append(sampled_entry(out, i, tok, req.params.logprobs or 0))
+        if req.logits is not None and out.logits is not None:
+            req.logits.append(out.logits[i].clone())
+        reason: str | None = None
+        if len(req.output_ids) >= req.max_new:  # vLLM checks the length first
+            reason = "length"
+        elif tok in req.stop_ids:
+            req.stop_reason, reason = (tok if tok in req.stop_reasons else None), "stop"
+        # then the stop strings, on the text: past a length stop, never past a stop token
+        if reason != "stop" and (hit := stop_string_hit(req, self.tokenizer)) is not None:
+            req.stop_reason, reason = hit, "stop"
+        if reason is not None:
+            self.finish(req, reason)
+        elif req.params.output_kind is not RequestOutputKind.FINAL_ONLY:
+            return self.output(req)
+        return None
 
     def _commit_progress(self, batch: Batch) -> None:
         """Insert what a step computed: track snapshots, and prefill pages (dense models)."""
@@ -226,14 +264,19 @@ class Scheduler:
             req, end, lease = c.req, c.start + c.length, c.req.lease
             if req.status is not Status.RUNNING or lease is None:
                 cache.drop_track_slot(c.track_slot)  # a post-stop step: never inserted
-            elif c.track_slot:
-                cache.commit(req, lease, end, state_slot=c.track_slot)
-            elif (
-                cache.commits_prefill
-                and not batch.is_decode
-                and end - lease.own_from >= cache.page_size
-            ):
-                cache.commit(req, lease, end)
+            else:
+                try:
+                    if c.track_slot:
+                        cache.commit(req, lease, end, state_slot=c.track_slot)
+                    elif (
+                        cache.commits_prefill
+                        and not batch.is_decode
+                        and end - lease.own_from >= cache.page_size
+                    ):
+                        cache.commit(req, lease, end)
+                except Exception as e:
+                    cache.drop_track_slot_if_held(c.track_slot)
+                    self.fail(req, e)
             c.track_slot = 0
 
     def finish(self, req: Request, reason: str) -> None:
@@ -242,53 +285,60 @@ class Scheduler:
         a step has advanced past what is committed, so it is never kept as a snapshot then."""
         if req.status is Status.RUNNING:
             assert req.lease is not None
-            commit = reason != "abort"
-            self.cache.release(req, req.lease, req.num_computed, commit, self.fence.idle)
+            commit = reason not in ("abort", "error")  # a failed request's KV is not trusted
+            try:
+                self.cache.release(req, req.lease, req.num_computed, commit, self.fence.idle)
+            except Exception as e:  # what it held is unaccounted for: nobody's fault but ours
+                raise LedgerError(f"request {req.request_id!r}: release failed: {e}") from e
             req.lease = None
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
-        self._outputs.append(self.output(req))
+        self._outputs.append(self._last_output(req))
         del self._requests[req.request_id]
+
+    def fail(self, req: Request, error: Exception) -> None:
+        """``req``'s own work raised ``error``: it ends with finish reason ``error`` and the
+        message in its output, holding nothing. A broken invariant is re-raised: it is not
+        ``req``'s to carry (``faults``)."""
+        if is_engine_fault(error):
+            raise error
+        if req.status is Status.FINISHED:  # ended already: what raised came after
+            return
+        log.warning("request %r failed: %s", req.request_id, describe(error), exc_info=error)
+        req.error = describe(error)
+        self.finish(req, "error")
+
+    def fail_all(self, message: str) -> None:
+        """The engine stops: every running and queued request ends with ``message``; what it
+        holds is returned where the books still allow."""
+        for req in [*self.running, *self.waiting]:
+            req.error = message
+            try:
+                self.finish(req, "error")
+            except Exception:  # the ledger is broken: end it all the same, holding nothing
+                log.exception("request %r: could not be released", req.request_id)
+                req.lease, req.status, req.finish_reason = None, Status.FINISHED, "error"
+                self._outputs.append(self._last_output(req))
+                self._requests.pop(req.request_id, None)
+        self.running.clear()
+        self.waiting.clear()
 
     def output(self, req: Request) -> RequestOutput:
         """The request's output so far (``delta``: what is new since its last output)."""
         return request_output(req, self.tokenizer)
 
+    def _last_output(self, req: Request) -> RequestOutput:
+        try:
+            return self.output(req)
+        except Exception:  # a failed request's text may be what failed: leave it out
+            if req.finish_reason != "error":
+                raise
+            return bare_output(req)
+
     # -- ledger ---------------------------------------------------------------------------------
     def check(self, track_held: int) -> None:
         leases = {r.request_id: r.lease for r in self.running if r.lease is not None}
         self.cache.check(leases, track_held=track_held)
-
-
-def _logprob_entry(out: StepOutput, i: int, tok: int, k: int) -> dict[int, Logprob]:
-    """The sampled token's ``Logprob`` (its rank among all tokens) and the top ``k``."""
-    assert out.chosen_lp is not None and out.chosen_rank is not None
-    entry = {tok: Logprob(float(out.chosen_lp[i]), int(out.chosen_rank[i]))}
-    if k > 0:
-        assert out.top_lp is not None and out.top_ids is not None
-        top = zip(out.top_lp[i, :k].tolist(), out.top_ids[i, :k].tolist(), strict=True)
-        for rank, (lp, tid) in enumerate(top, 1):
-            entry.setdefault(int(tid), Logprob(float(lp), rank))
-    return entry
-
-
-def _prompt_entries(
-    out: StepOutput, i: int, chunk: Chunk, k: int | None
-) -> list[dict[int, Logprob]]:
-    """The chunk's prompt logprobs: at each position, the next prompt token's and the top k."""
-    assert out.prompt_lp is not None and out.prompt_rank is not None and k is not None
-    assert out.prompt_top_lp is not None and out.prompt_top_ids is not None
-    n = min(chunk.length, len(chunk.req.prompt_ids) - chunk.start - 1)
-    targets = chunk.req.prompt_ids[chunk.start + 1 : chunk.start + 1 + n]
-    lps, ranks = out.prompt_lp[i, :n].tolist(), out.prompt_rank[i, :n].tolist()
-    top_lp, top_ids = out.prompt_top_lp[i, :n, :k].tolist(), out.prompt_top_ids[i, :n, :k].tolist()
-    entries = []
-    for t, tok in enumerate(targets):
-        entry = {tok: Logprob(lps[t], ranks[t])}
-        for rank, (lp, tid) in enumerate(zip(top_lp[t], top_ids[t], strict=True), 1):
-            entry.setdefault(tid, Logprob(lp, rank))
-        entries.append(entry)
-    return entries

@@ -131,12 +131,8 @@ class StepKind:
     def build(self, batch: Batch, keep_logits: bool = False) -> StepBatch:
         """The step's ``StepBatch``; a ``planned`` batch's input ids are bound at launch."""
         chunks = batch.chunks
-        table = self.pools.requests
-        assert table is not None
         for c in chunks:
-            row = _lease(c).req_row
-            if table.take(row, c.req) and c.req.grammar is not None:
-                c.req.grammar.fill_bitmask(table.grammar, row)  # its first token's mask
+            self.bind(c)
         params = [c.req.params for c in chunks]
         top_cap, nlp, _ = self.mode(params)
         static = dict(
@@ -151,6 +147,15 @@ class StepKind:
         if batch.is_decode:
             return self._decode(chunks, batch.planned, **static)
         return self._prefill(chunks, **static)
+
+    def bind(self, chunk: Chunk) -> None:
+        """``chunk``'s request takes its step-table row, if new to it (its values, and its first
+        token's structured-output mask): one request's part of ``build``."""
+        table = self.pools.requests
+        assert table is not None
+        row = _lease(chunk).req_row
+        if table.take(row, chunk.req) and chunk.req.grammar is not None:
+            chunk.req.grammar.fill_bitmask(table.grammar, row)
 
     def _decode(self, chunks: list[Chunk], planned: bool, **static: Any) -> StepBatch:
         """Every per-row int goes to the device in one tensor; the new tokens' KV slots are
@@ -190,17 +195,17 @@ class StepKind:
             **static,
         )
 
-    def advance_grammars(self, batch: Batch, ids: list[int]) -> None:
-        """The structured-output requests of a resolved step take its tokens, and their
-        table rows then hold the masks of their next samples."""
-        table = self.pools.requests
-        for i, c in enumerate(batch.chunks):
-            req = c.req
-            if req.grammar is None or req.status is not Status.RUNNING or req.lease is None:
-                continue  # none, or a step that rode along after it finished
-            if batch.is_decode or c.completes_prompt:
-                req.grammar.accept(ids[i])
-                req.grammar.fill_bitmask(table.grammar, req.lease.req_row)
+    def advance_grammar(self, batch: Batch, i: int, token: int) -> None:
+        """Row ``i``'s structured-output request of a resolved step takes its ``token``, and
+        its table row then holds the mask of its next sample."""
+        req, c = batch.chunks[i].req, batch.chunks[i]
+        if req.grammar is None or req.status is not Status.RUNNING or req.lease is None:
+            return  # none, or a step that rode along after it finished
+        if batch.is_decode or c.completes_prompt:
+            table = self.pools.requests
+            assert table is not None
+            req.grammar.accept(token)
+            req.grammar.fill_bitmask(table.grammar, req.lease.req_row)
 
     def last_rows(self, chunks: list[Chunk]) -> torch.Tensor:
         """The rows a decode step of a multi-channel kind reads (a token kind reads ids)."""
@@ -244,6 +249,9 @@ class StepKind:
                 nxt = c.req.prompt_ids[c.start + 1 : c.start + c.length + 1]
                 targets[j, : len(nxt)] = torch.tensor(nxt, dtype=torch.int64)
             targets = self.to_device(targets)
+        # selective recompute of the chunks' reused spans (``framework.reuse``), if any has some
+        policies = [_lease(c).selective for c in chunks if _lease(c).selective is not None]
+        blend = policies[0].blend(chunks, t, self.to_device) if policies else None
         return StepBatch(
             input_ids=self.to_device(ids),
             positions=self.to_device(pos),
@@ -260,6 +268,7 @@ class StepKind:
             prompt_logprobs=k,
             prompt_rows=tuple(wants),
             prompt_targets=targets,
+            blend=blend,
             **static,
         )
 

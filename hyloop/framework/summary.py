@@ -65,6 +65,7 @@ def _pi_line(pi: Any, s: dict[str, Any]) -> str:
     if not pi.enable:
         return "off"
     return (
-        f"on    reused tokens {s['reused_tokens']} (KV moved from another offset)    "
+        f"on    reused tokens {s['reused_tokens']} (KV moved from another offset), "
+        f"{s['recomputed_tokens']} of them recomputed    recompute_ratio {pi.recompute_ratio}    "
         f"recompute_tokens {pi.recompute_tokens}"
     )

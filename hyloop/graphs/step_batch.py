@@ -25,6 +25,7 @@ import torch
 from hyloop.graphs.request_table import RequestTable, column
 
 __all__ = [
+    "Blend",
     "CaptureBuffer",
     "RequestTable",
     "StepBatch",
@@ -58,6 +59,20 @@ class StepPools:
     @property
     def padding_row(self) -> int:
         return self.req_to_token.shape[0] - 1
+
+
+@dataclass(frozen=True)
+class Blend:
+    """Selective recompute in an eager prefill over KV a donor gave (CacheBlend): ``reused
+    [B, T]`` marks those tokens. Every token runs the layers before ``check_layer``; from it on
+    ``quota [B]`` tokens of each row do: the computed ones, then the reused ones whose K at
+    ``check_layer`` deviates most from the donor's; the others keep the donor's KV. ``keep``
+    (static, >= every quota) is how many run per row; a row's surplus writes the sink slot."""
+
+    reused: torch.Tensor
+    quota: torch.Tensor
+    keep: int
+    check_layer: int
 
 
 @dataclass
@@ -98,6 +113,7 @@ class StepBatch:
     prompt_rows: tuple[int, ...] = ()
     prompt_logprobs: int = 0
     prompt_targets: torch.Tensor | None = None
+    blend: Blend | None = None  # eager prefill only: selective recompute of reused KV
     # Per-step values computed once and shared by every layer (attention indices, RoPE rows).
     meta: dict[Any, Any] = field(default_factory=dict)
 
@@ -123,7 +139,12 @@ class StepBatch:
 
     def rows(self, start: int, stop: int) -> StepBatch:
         """Rows ``[start, stop)`` as views (a piece of a batch split across buckets)."""
-        sliced = {f.name: getattr(self, f.name)[start:stop] for f in row_fields()}
+        sliced: dict[str, Any] = {f.name: getattr(self, f.name)[start:stop] for f in row_fields()}
+        if self.blend is not None:
+            b = self.blend
+            sliced["blend"] = dataclasses.replace(
+                b, reused=b.reused[start:stop], quota=b.quota[start:stop]
+            )
         return dataclasses.replace(self, **sliced, meta={})
 
 

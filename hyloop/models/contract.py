@@ -4,7 +4,8 @@ Every model class builds a ``ModelContract`` at construction (``model.contract``
 sizes the KV pools from ``kv_layers`` (one entry per attention layer, in order, with its
 window), the recurrent pool from ``recurrent``, the sampler from ``vocab_size``; the TTS front
 end and the frame step read ``rows``; ``rope`` says how cached keys could move (position-
-independent reuse). Nothing downstream probes a model for attributes.
+independent reuse) and ``selective_recompute`` whether its forward can recompute part of reused KV
+(``models.blend``). Nothing downstream probes a model for attributes.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class ModelContract:
     rope: RopeSpec | None = None
     recurrent: RecurrentLayers | None = None
     rows: RowLayout | None = None
+    selective_recompute: bool = False
 
     @property
     def sliding_window(self) -> int | None:
@@ -68,6 +70,7 @@ def contract_of(
     rope: RopeSpec | None = None,
     recurrent: RecurrentLayers | None = None,
     rows: RowLayout | None = None,
+    selective_recompute: bool = False,
 ) -> ModelContract:
     """The contract of ``model`` from its attention layers (numbered into one full pool)."""
     layers: Sequence[PagedAttention] = [m for m in model.modules() if isinstance(m, PagedAttention)]
@@ -83,4 +86,5 @@ def contract_of(
         rope=rope,
         recurrent=recurrent,
         rows=rows,
+        selective_recompute=selective_recompute,
     )

@@ -16,6 +16,7 @@ from hyloop.models.loaders.hf import (
     read_hf_config,
     safetensors_files,
 )
+from hyloop.models.quant import WeightOnlyLinear, quantize_linears
 from hyloop.models.registry import model_class
 from hyloop.models.tokenizer import TextTokenizer, load_hf_tokenizer
 from hyloop.models.weights import load_weights
@@ -30,29 +31,37 @@ class LoadedModel:
     tokenizer: TextTokenizer | None
     eos_token_ids: list[int] = field(default_factory=list)
     source: str = ""
+    quantized: dict[str, int] = field(default_factory=dict)  # Linears per format (model.weights)
 
     @property
     def weight_bytes(self) -> int:
         first: dict[int, nn.Parameter] = {}
         for p in self.model.parameters():
             first.setdefault(p.data_ptr(), p)  # tensors sharing storage count once
-        return sum(p.numel() * p.element_size() for p in first.values())
+        dense = sum(p.numel() * p.element_size() for p in first.values())
+        quantized = (m for m in self.model.modules() if isinstance(m, WeightOnlyLinear))
+        return dense + sum(m.nbytes for m in quantized)
 
 
-def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    """Load weights strictly (missing / unexpected / mis-shaped tensors raise)."""
+def load_model(
+    path: str | Path, dtype: torch.dtype, device: torch.device, weights: str = "auto"
+) -> LoadedModel:
+    """Load weights strictly (missing / unexpected / mis-shaped tensors raise); ``weights``
+    (``model.weights``) says which Linears stay or become int4 / int8 (``models.quant``)."""
     p = Path(path).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"checkpoint not found: {path} (hyloop never downloads)")
     if p.is_file() and p.suffix == ".gguf":
-        return _load_gguf(p, dtype, device)
+        return _load_gguf(p, dtype, device, weights)
     if not p.is_dir():
         raise ValueError(f"checkpoint {path}: expected an HF directory or a .gguf file")
     hf_config = read_hf_config(p)
     model = _instantiate(hf_config)
     load_weights(model, iter_safetensors(safetensors_files(p)), source=str(p))
     model = model.to(device=device, dtype=dtype).eval()
-    return LoadedModel(model, hf_config, load_hf_tokenizer(p), eos_ids_from(p, hf_config), str(p))
+    counts = quantize_linears(model, weights, {}, device, source=str(p))
+    tok, eos = load_hf_tokenizer(p), eos_ids_from(p, hf_config)
+    return LoadedModel(model, hf_config, tok, eos, str(p), counts)
 
 
 def _instantiate(hf_config: dict[str, Any]) -> nn.Module:
@@ -72,20 +81,21 @@ def _instantiate(hf_config: dict[str, Any]) -> nn.Module:
     return model
 
 
-def _load_gguf(p: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def _load_gguf(p: Path, dtype: torch.dtype, device: torch.device, weights: str) -> LoadedModel:
     from hyloop.models.loaders.gguf import load_gguf
 
     ckpt = load_gguf(p)
     model = _instantiate(ckpt.config)
     load_weights(model, ckpt.state_dict.items(), source=str(p))
     model = model.to(device=device, dtype=dtype).eval()
+    counts = quantize_linears(model, weights, ckpt.blocks, device, source=str(p))
     tok = TextTokenizer(
         ckpt.tokenizer,
         add_bos=ckpt.add_bos_token,
         bos_id=ckpt.config.get("bos_token_id"),
         chat_template=ckpt.chat_template,
     )
-    return LoadedModel(model, ckpt.config, tok, list(ckpt.eos_token_ids), str(p))
+    return LoadedModel(model, ckpt.config, tok, list(ckpt.eos_token_ids), str(p), counts)
 
 
 def load_tokenizer(path: str | Path) -> TextTokenizer | None:

@@ -2,6 +2,7 @@
 recurrent-state pool."""
 
 from hyloop.pools.kv_pool import KVPool
+from hyloop.pools.ledger import LedgerError
 from hyloop.pools.page_allocator import PageAllocator
 from hyloop.pools.recurrent_pool import RecurrentPool, SlotRole
 from hyloop.pools.req_to_token import ReqToTokenPool
@@ -12,6 +13,7 @@ from hyloop.pools.swa_pool import SWAKVPool, SWAWindows
 __all__ = [
     "DeferredFrees",
     "KVPool",
+    "LedgerError",
     "PageAllocator",
     "RecurrentPool",
     "ReqToTokenPool",

@@ -23,11 +23,15 @@ request therefore holds at most ``window + page_size`` tokens during decode and
 ``tree_from`` are the tree's (a prefix hit, or pages an insert took); the request reads them
 under its lock.
 
-Admission reserves a request's worst case and keeps that many pages free for the admitted
-requests, so a step never fails to allocate. The worst case while prefilling spans the window
-plus one prefill chunk (no longer than what the request has to compute); once the request decodes
-it spans the window plus one position, and its reservation shrinks to that, so a long prompt's
-chunk does not cost the pool for the request's whole life.
+One ledger: a request's reservation covers its worst case, counting the pages it holds and
+the tree's window pages its lock pins (``pinned``: what it reads of a prefix hit or of what its
+commits handed over; the lock pins only the window it reads, ``cache.component_swa``). The
+reservations of the admitted requests fit the pool together, and what they do not hold is free
+or the tree's unpinned windows, which the tree evicts on demand, so a step never fails to
+allocate. The worst case while prefilling spans the window plus one prefill chunk (no longer
+than what the request has to compute); once the request decodes it spans the window plus one
+position (plus what its lock still pins behind), and its reservation shrinks to that, so a long
+prompt's chunk does not cost the pool for the request's whole life.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hyloop.pools.kv_pool import KVPool
+from hyloop.pools.ledger import LedgerError
 from hyloop.pools.step_fence import StepFence
 
 
@@ -74,6 +79,7 @@ class _Window:
     tree_from: int  # page index: pages before it are the tree's
     positions: int  # the request's prompt + max new tokens
     pages: deque[tuple[int, torch.Tensor]] = field(default_factory=deque)  # (page, pool slots)
+    pinned: int = 0  # the tree's pages its lock pins (counted against ``reserved``)
 
 
 class SWAWindows:
@@ -122,11 +128,11 @@ class SWAWindows:
         worst = self.worst_case_pages(self.window, chunk, self.page_size)
         return min(worst, -(-positions // self.page_size) + 1)
 
-    def shortfall(self, positions: int, total_len: int) -> int:
-        """Pages to free (evict from the tree) before such a request can be admitted; <= 0:
-        none."""
-        owed = sum(w.reserved - len(w.pages) for w in self._held.values())
-        need = self.request_pages(positions, total_len)
+    def shortfall(self, positions: int, total_len: int, pinned: int = 0) -> int:
+        """Pages to free (evict from the tree) so the reservations of the running requests and
+        of such a request (whose lock pins ``pinned`` pages) are free pages; <= 0: none."""
+        owed = sum(max(0, w.reserved - len(w.pages) - w.pinned) for w in self._held.values())
+        need = self.request_pages(positions, total_len) - pinned
         return owed + need - self.allocator.num_free_pages()
 
     def fits(self, positions: int, total_len: int) -> bool:
@@ -136,6 +142,10 @@ class SWAWindows:
 
     def shortfall_for(self, key: str, start: int, end: int) -> int:
         """Pages ``advance(key, ..., start, end, ...)`` would allocate beyond the free ones."""
+        return self.pages_to_alloc(key, start, end) - self.allocator.num_free_pages()
+
+    def pages_to_alloc(self, key: str, start: int, end: int) -> int:
+        """Pages ``advance(key, ..., start, end, ...)`` allocates."""
         w = self._held[key]
         ps = self.page_size
         first = (
@@ -143,11 +153,23 @@ class SWAWindows:
             if w.pages
             else max(max(0, start - self.window + 1) // ps, w.tree_from)
         )
-        return (end - 1) // ps - first + 1 - self.allocator.num_free_pages()
+        return max(0, (end - 1) // ps - first + 1)
 
-    def reserve(self, key: str, positions: int, total_len: int, cached: int) -> None:
+    def room(self, spans: list[tuple[str, int, int]]) -> bool:
+        """Whether ``advance`` over every ``(key, start, end)`` finds its pages free now, with
+        no eviction (whose frees wait for a step in flight)."""
+        need = sum(self.pages_to_alloc(key, a, b) for key, a, b in spans)
+        return need <= self.allocator.num_free_pages()
+
+    def reserve(
+        self, key: str, positions: int, total_len: int, cached: int, pinned: int = 0
+    ) -> None:
         pages = self.request_pages(positions, total_len)
-        self._held[key] = _Window(pages, cached // self.page_size, positions)
+        self._held[key] = _Window(pages, cached // self.page_size, positions, pinned=pinned)
+
+    def set_pinned(self, key: str, pages: int) -> None:
+        """The tree's window pages request ``key``'s lock pins now (it moved or slid on)."""
+        self._held[key].pinned = pages
 
     def advance(self, key: str, slots: torch.Tensor, start: int, end: int, total_len: int) -> None:
         """Before a step computes positions ``[start, end)`` of request ``key`` (whose full-pool
@@ -165,7 +187,7 @@ class SWAWindows:
             # Decoding (a single position at the end; under lookahead ``total_len`` lags by
             # one): the chunk reserved for prefill is not needed again in this admission.
             decode = self.request_pages(w.positions, total_len, decoding=True)
-            w.reserved = min(w.reserved, max(len(pages), decode))
+            w.reserved = min(w.reserved, max(len(pages), decode) + w.pinned)
         next_page = pages[-1][0] + 1 if pages else max(first_needed, w.tree_from)
         last_page = (end - 1) // ps
         if last_page < next_page:
@@ -173,7 +195,7 @@ class SWAWindows:
         n = last_page - next_page + 1
         window = self.allocator.alloc(n * ps)
         if window is None:
-            raise RuntimeError(
+            raise LedgerError(
                 f"request {key!r}: the sliding-window pool has no free page although "
                 "admission reserved them (pool ledger broken)"
             )
@@ -233,8 +255,12 @@ class SWAWindows:
         """Pool tokens in use: held by requests, by the tree, or freed but still readable."""
         return self.allocator.capacity - self.allocator.available_size()
 
-    def check(self, live: set[str], tree_held_tokens: int) -> None:
-        """Ledger: request-held + tree-held + free + pending-free == capacity."""
+    def check(
+        self, live: set[str], tree_held_tokens: int, pinned: dict[str, int] | None = None
+    ) -> None:
+        """Ledger: request-held + tree-held + free + pending-free == capacity; each request
+        within its reservation with what its lock pins (``pinned``: pages, by request id, as
+        the tree counts them now), and the reservations within the pool."""
         alloc = self.allocator
         alloc.check_invariants()
         held = sum(len(w.pages) for w in self._held.values()) * self.page_size
@@ -247,8 +273,19 @@ class SWAWindows:
         if set(self._held) - live:
             raise AssertionError(f"sliding-window pool: pages held by {set(self._held) - live}")
         for rid, w in self._held.items():
-            if len(w.pages) > w.reserved:
+            if pinned is not None and pinned.get(rid, 0) != w.pinned:
                 raise AssertionError(
-                    f"sliding-window pool: request {rid!r} holds {len(w.pages)} pages, "
-                    f"reserved {w.reserved}"
+                    f"sliding-window pool: request {rid!r} is charged {w.pinned} pinned pages, "
+                    f"its lock pins {pinned.get(rid, 0)}"
                 )
+            if len(w.pages) + w.pinned > w.reserved:
+                raise AssertionError(
+                    f"sliding-window pool: request {rid!r} holds {len(w.pages)} pages and pins "
+                    f"{w.pinned}, reserved {w.reserved}"
+                )
+        reserved = sum(w.reserved for w in self._held.values())
+        if reserved > alloc.num_pages - 1:
+            raise AssertionError(
+                f"sliding-window pool: reservations {reserved} exceed the pool's "
+                f"{alloc.num_pages - 1} pages"
+            )

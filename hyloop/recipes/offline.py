@@ -246,9 +246,11 @@ def run_generate(args: argparse.Namespace) -> int:
             items = [(p, s) for _, p, s in ready]
             for j, out in generate_isolated(llm, items, use_tqdm=not args.no_progress):
                 i, _, params = ready[j]
+                where = f"{args.input or 'demo'}:{lines[i].number}"
                 if isinstance(out, ValueError):
-                    where = f"{args.input or 'demo'}:{lines[i].number}"
                     sink.put(i, failed_fields(error_text(where, out)))
+                elif out.error is not None:  # it failed in the engine; the rest ran on
+                    sink.put(i, failed_fields(f"{where}: {out.error}"))
                 else:
                     sink.put(i, result_fields(out, params, llm.tokenizer is not None))
         print("\n" + llm.summary(), file=sys.stderr if args.output else sys.stdout)

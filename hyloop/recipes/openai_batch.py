@@ -1,6 +1,7 @@
 """The input side of ``hyloop run-batch``: each line of an OpenAI Batch file checked, without
 the model, into the request it asks for (its prompt, its SamplingParams fields, its output
-constraint, its chat template keywords) or the error its output line reports."""
+constraint, its chat template keywords, its ``cache_salt``) or the error its output line
+reports."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ _COMPLETION_ONLY = {"prompt", "echo", "suffix", "best_of"}
 _COMMON = {
     *("model", "max_tokens", "logprobs", "user", "parallel_tool_calls", "stream", *SAMPLING),
     *("response_format", "structured_outputs", *GUIDED),
+    "cache_salt",  # vLLM's: the request's cache namespace
 } - _CHAT_ONLY
 FIELDS = {CHAT: _COMMON | _CHAT_ONLY, COMPLETION: _COMMON | _COMPLETION_ONLY}
 # OpenAI / vLLM fields hyloop has no control for: fine at a neutral value, refused otherwise.
@@ -83,6 +85,7 @@ class BatchRow:
     prompt: str | list[int] | None = None  # completion rows; a chat is rendered after load
     sampling: dict[str, Any] = field(default_factory=dict)  # the SamplingParams fields set
     chat_kwargs: dict[str, Any] = field(default_factory=dict)  # render_chat keywords
+    cache_salt: str | None = None  # shares cached KV only with rows of the same salt
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     error: RowError | None = None
 
@@ -144,6 +147,10 @@ def _parse(row: BatchRow, text: str, seen: set[str], served: str | None) -> None
     row.url, row.body = obj["url"], obj["body"]
     _check_fields(where, row.url, row.body, served)
     row.sampling = sampling_fields(where, row.url, row.body)
+    salt = row.body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise RowError(f"{where}: body.cache_salt: got {_short(salt)}; expected a non-empty string")
+    row.cache_salt = salt
     if row.url == CHAT:
         row.chat_kwargs = _chat_kwargs(where, row.body)
     else:

@@ -59,7 +59,10 @@ def logprobs_json(out: RequestOutput) -> list[list[dict[str, Any]]] | None:
 
 
 def result_fields(out: RequestOutput, params: SamplingParams, has_text: bool) -> dict[str, Any]:
-    """What a finished request adds to its row (``error`` None); see the module docstring."""
+    """What a finished request adds to its row (``error`` None, unless it failed in the
+    engine: ``framework.faults``); see the module docstring."""
+    if out.error is not None:
+        return failed_fields(out.error)
     sample = out.outputs[0]
     return {
         "text": sample.text if has_text and params.detokenize else None,

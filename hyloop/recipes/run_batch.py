@@ -158,7 +158,10 @@ def run_rows(
         while live and engine.has_unfinished_requests():
             for out in engine.step():
                 i = live.pop(out.request_id, None) if out.finished else None
-                if i is not None:
+                if i is not None and out.error is not None:  # it failed in the engine
+                    msg = f"{rows[i].where}: {out.error}"
+                    writer.put(i, error_line(rows[i], RowError(msg, 500, "internal_error")))
+                elif i is not None:
                     writer.put(i, success_line(rows[i], out, served))
     finally:
         if live:
@@ -168,12 +171,21 @@ def run_rows(
         writer.put(i, error_line(rows[i], RowError(msg, status=500, code="internal_error")))
 
 
-def row_prompt(row: BatchRow, tokenizer: Any) -> str | list[int] | TokensPrompt:
-    """A completion's prompt, or a chat rendered with the checkpoint's chat template."""
+def row_prompt(row: BatchRow, tokenizer: Any) -> str | list[int] | dict[str, Any]:
+    """A completion's prompt, or a chat rendered with the checkpoint's chat template; a prompt
+    dict with the row's ``cache_salt`` when it has one."""
     if row.url != CHAT:
         assert row.prompt is not None
-        return row.prompt
-    return render_chat(f"{row.where}: body", row.body["messages"], tokenizer, **row.chat_kwargs)
+        prompt: str | list[int] | TokensPrompt = row.prompt
+    else:
+        where = f"{row.where}: body"
+        prompt = render_chat(where, row.body["messages"], tokenizer, **row.chat_kwargs)
+    if row.cache_salt is None:
+        return prompt
+    if isinstance(prompt, dict):
+        return {**prompt, "cache_salt": row.cache_salt}
+    key = "prompt" if isinstance(prompt, str) else "prompt_token_ids"
+    return {key: prompt, "cache_salt": row.cache_salt}
 
 
 def row_params(row: BatchRow, defaults: SamplingParams, chat_max: int | None) -> SamplingParams:

@@ -27,6 +27,7 @@ PI = [
     "graphs.backend=eager",
     "cache.position_independent.enable=true",
     "cache.position_independent.recompute_tokens=0",
+    "cache.position_independent.recompute_ratio=0",  # the shifted KV as it is
 ]
 ONE = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
@@ -58,9 +59,11 @@ def variant_ckpt(base: Path, root: Path, name: str) -> Path:
 
 
 def tree_kv(llm: LLM, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer-0 K and V the tree holds for ``ids`` (all of it must be cached)."""
+    """Layer-0 K and V the tree holds for ``ids`` (all of it must be cached, approximate KV
+    included)."""
     cache = llm.engine.cache.tree
-    m = cache.match_prefix(MatchPrefixParams(key=RadixKey(ids), full_only=True))
+    key = RadixKey(ids)
+    m = cache.match_prefix(MatchPrefixParams(key=key, full_only=True, approximate=True))
     assert m.prefix_len == len(ids)
     kv = llm.engine.kind.pools.kv
     return kv.k[0][m.device_indices].clone(), kv.v[0][m.device_indices].clone()

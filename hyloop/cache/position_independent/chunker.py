@@ -30,7 +30,7 @@ _MASK64 = (1 << 64) - 1
 @dataclass(frozen=True)
 class ChunkerParams:
     window: int = 64
-    boundary_bits: int = 7
+    boundary_bits: int = 6
     min_chunk: int = 32
     max_chunk: int = 512
     sink_tokens: int = 32

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from hyloop.graphs.step_batch import StepBatch
+from hyloop.models.blend import blend_forward
 from hyloop.models.contract import ModelContract
 from hyloop.models.weights import StackedParam
 
@@ -38,6 +39,8 @@ class DecoderLM(nn.Module):
         return {}
 
     def forward(self, batch: StepBatch) -> torch.Tensor:
+        if batch.blend is not None:  # a prefill over reused KV (``contract.selective_recompute``)
+            return blend_forward(self.model, batch)
         x = self.model.embed_tokens(batch.input_ids)
         for layer in self.model.layers:
             x = layer(x, batch)

@@ -112,5 +112,9 @@ class DenseCausalLM(DecoderLM):
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.tie_weights()
         self.contract = contract_of(
-            self, vocab_size=spec.vocab_size, max_positions=spec.max_positions, rope=spec.rope
+            self,
+            vocab_size=spec.vocab_size,
+            max_positions=spec.max_positions,
+            rope=spec.rope,
+            selective_recompute=True,
         )

@@ -4,14 +4,19 @@ by ``CpuKernels``."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
+from hyloop import omp_policy
 from hyloop.models.cpu import cpu_ops
 from hyloop.models.cpu.kernel_choice import calibrate, shape_key
 from hyloop.models.cpu.packed_linear import PackedLinear, pack_linears, packing_available
+
+log = logging.getLogger(__name__)
+_warned_policy = False
 
 
 class CpuKernels:
@@ -31,6 +36,8 @@ class CpuKernels:
     ) -> None:
         self.layers: list[PackedLinear] = []
         self.table: Any = None
+        self.openmp = omp_policy.status()
+        _warn_spinning_waits(self.openmp)
         if pack and packing_available(torch.device("cpu")):
             pack_linears(model)
             self.layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
@@ -60,7 +67,22 @@ class CpuKernels:
             "measured": self.table.measured,
             "measure_s": round(self.table.measure_s, 2),
             "choices": chosen,
+            "openmp": self.openmp,
         }
+
+
+def _warn_spinning_waits(status: str) -> None:
+    """Once per process: OpenMP threads that spin at barriers share a busy machine badly."""
+    global _warned_policy
+    if _warned_policy or torch.get_num_threads() < 2 or omp_policy.shares_cores_well():
+        return
+    _warned_policy = True
+    log.warning(
+        "hyloop: CPU steps run with OpenMP's %s: where another process takes a core, every "
+        "parallel region waits for it (a compiled step most); set OMP_WAIT_POLICY=PASSIVE "
+        "before torch is imported, or import hyloop first (hyloop/omp_policy.py)",
+        status,
+    )
 
 
 __all__ = ["CpuKernels", "cpu_ops"]

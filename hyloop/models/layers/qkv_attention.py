@@ -70,9 +70,13 @@ class QKVAttention(nn.Module):
             **options,
         )
 
-    def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+    def _project(
+        self, x: torch.Tensor, batch: StepBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``q [B,T,Hq,D]`` and ``k`` rotated, ``v [B,T,Hkv,D]``, and the output gate."""
         b, t, _ = x.shape
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        gate = None
         if self.gated:
             q, gate = q.view(b, t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         else:
@@ -82,7 +86,17 @@ class QKVAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q, k, batch)
+        return q, k, v, gate
+
+    def keys_values(self, x: torch.Tensor, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K (rotated) and V ``[B, T, Hkv, D]`` this block writes for ``x``."""
+        _, k, v, _ = self._project(x, batch)
+        return k, v
+
+    def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v, gate = self._project(x, batch)
         out = self.attn(q, k, v, batch)
-        if self.gated:
+        if gate is not None:
             out = out * torch.sigmoid(gate.reshape(b, t, self.q_size))
         return self.o_proj(out)

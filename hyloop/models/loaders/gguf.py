@@ -1,8 +1,10 @@
 """Load a GGUF checkpoint as an HF-style config, a float32 state dict and a tokenizer.
 
-Undone here: quantized tensors (dequantized to float32), llama.cpp's tensor names (`blk.{i}.attn_q`
--> `model.layers.{i}.self_attn.q_proj`), and for llama the converter's permuted q/k rows (rotary
-pairs side by side for its interleaved rope), which HF's rotate-half rope needs in original order.
+Undone here: quantized tensors (dequantized to float32; their blocks are kept beside, as
+``GGUFBlocks``, for ``model.weights`` to keep them quantized), llama.cpp's tensor names
+(`blk.{i}.attn_q` -> `model.layers.{i}.self_attn.q_proj`), and for llama the converter's permuted
+q/k rows (rotary pairs side by side for its interleaved rope), which HF's rotate-half rope needs in
+original order.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from gguf.quants import dequantize
 from tokenizers import Tokenizer
 
 from hyloop.models.loaders import gguf_tokenizer as gguf_tok
+from hyloop.models.loaders.gguf_blocks import DENSE_TYPES, GGUFBlocks, unpermute_rope_rows
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,7 @@ class GGUFCheckpoint:
     chat_template: str | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     special_token_ids: dict[str, int] = field(default_factory=dict)
+    blocks: dict[str, GGUFBlocks] = field(default_factory=dict)  # HF name -> quantized blocks
 
 
 class _ArrayReader(GGUFReader):
@@ -257,12 +261,6 @@ def _hf_name(gguf_name: str, spec: _ArchSpec) -> str | None:
     return None
 
 
-def _unpermute_rope_rows(weight: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Undo llama.cpp's `permute`: rows (head, pair, 2) go back to (head, 2, half) order."""
-    half = weight.shape[0] // n_head // 2
-    return weight.reshape(n_head, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
-
-
 def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
     """Read a GGUF file into an HF-style config, a float32 HF-named state dict and a tokenizer."""
     reader = _open(path)
@@ -306,19 +304,26 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
         raise ValueError(f"{where} has mis-shaped tensors: {misshaped}")
 
     state_dict: dict[str, torch.Tensor] = {}
+    blocks: dict[str, GGUFBlocks] = {}
     for name in expected:
         tensor = by_hf_name[name]
         array = dequantize(tensor.data, tensor.tensor_type)
         if not array.flags.writeable:  # unquantized tensors come back as read-only file maps
             array = array.copy()
         weight = torch.from_numpy(array.astype(np.float32, copy=False)).reshape(expected[name])
+        heads = 0
         if spec.permute_qk and name.endswith("self_attn.q_proj.weight"):
-            weight = _unpermute_rope_rows(weight, config["num_attention_heads"])
+            heads = config["num_attention_heads"]
         elif spec.permute_qk and name.endswith("self_attn.k_proj.weight"):
-            weight = _unpermute_rope_rows(weight, config["num_key_value_heads"])
+            heads = config["num_key_value_heads"]
         elif spec.gemma_norms and name.endswith("norm.weight"):
             weight = weight - 1.0  # llama.cpp stored 1 + w; hyloop's norm scales by 1 + w
+        if heads:
+            weight = unpermute_rope_rows(weight, heads)
         state_dict[name] = weight.contiguous()
+        if tensor.tensor_type not in DENSE_TYPES and len(expected[name]) == 2:
+            shape = (expected[name][0], expected[name][1])
+            blocks[name] = GGUFBlocks(tensor.name, tensor.tensor_type, tensor.data, shape, heads)
     return GGUFCheckpoint(
         config=config,
         state_dict=state_dict,
@@ -327,4 +332,5 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
         chat_template=meta.get("tokenizer.chat_template"),
         eos_token_ids=gguf_tok.eos_token_ids(meta),
         special_token_ids=gguf_tok.special_token_ids(meta),
+        blocks=blocks,
     )

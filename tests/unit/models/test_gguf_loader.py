@@ -62,7 +62,7 @@ def _write_gguf(
     path: Path,
     arch: str,
     config: Any,
-    tensors: dict[str, np.ndarray],
+    tensors: dict[str, np.ndarray | tuple[np.ndarray, gguf.GGMLQuantizationType]],
     tokenizer_model: str = "gpt2",
     add_bos: bool | None = False,
     pre: str = "smollm",
@@ -98,7 +98,10 @@ def _write_gguf(
         else:
             writer.add_float32(key, value)
     for name, array in tensors.items():
-        writer.add_tensor(name, array)
+        if isinstance(array, tuple):  # quantized blocks (``gguf.quants.quantize``) and their type
+            writer.add_tensor(name, array[0], raw_dtype=array[1])
+        else:
+            writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -86,7 +86,7 @@ def test_sink_positions_never_start_a_chunk() -> None:
 
 def test_fingerprints_are_xxh64_of_little_endian_int64() -> None:
     ids = list(range(1000))
-    chunks = Chunker().chunk(ids)
+    chunks = Chunker(ChunkerParams(boundary_bits=7)).chunk(ids)  # the cuts pinned below
     for c in chunks:
         data = struct.pack(f"<{c.length}q", *ids[c.start : c.end])
         assert c.fingerprint == xxhash.xxh64(data, seed=0).intdigest()

@@ -32,7 +32,7 @@ class World:
         r = self.cache.insert(InsertParams(key=key, value=slots[: len(ids)]))
         kept = slots[: r.aligned_len]
         for s, t in zip(kept.tolist(), ids, strict=False):
-            self.token_at.setdefault(s, t)
+            self.token_at[s] = t  # a slot the tree freed and handed out again holds new text
         self.alloc.free(slots[r.aligned_len :])
         self.index.note(key, r.aligned_len, r.last_node)
 

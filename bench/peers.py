@@ -1,0 +1,346 @@
+"""hyloop beside what a CPU user would run instead, one engine after another on one workload.
+
+Rows (decode tok/s, prefill excluded; ``--prompt-len`` 32-token prompts, ``--new-tokens`` 64 greedy
+tokens, batch 1 and 16; columns fp32 and bf16):
+
+- hyloop compile / eager on the dequantized weights (``model.weights=dequantize``: the weights
+  every dense peer runs), and on the GGUF as shipped (``model.weights=auto``: int4 / int8);
+- HF transformers ``generate()``;
+- vLLM CPU, only where ``--vllm-python`` names an interpreter that imports ``vllm`` (or this one
+  does); llama.cpp's ``llama-batched-bench``, only where ``--llama-cpp`` or ``PATH`` has it (the
+  GGUF as shipped; ``--llama-gguf-f32`` / ``--llama-gguf-bf16`` add the same weights dense).
+  Neither is installed or built here: ``../shared/notes/peers.md`` says how (it takes the cores
+  for many minutes). Rows whose engine is missing say so.
+
+``--load`` measures instead batch-1 decode quiet and beside a busy process (a Python busy loop,
+``--pin``: on CPU 0), for libgomp's default spinning waits and for hyloop's passive policy
+(``hyloop/omp_policy.py``), eager and compiled. Every run is its own process (the OpenMP policy is
+read when torch loads), started one after another; the table names the CPU.
+
+    python bench/peers.py [--load] [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+COLUMNS = [("float32", 1), ("float32", 16), ("bfloat16", 1), ("bfloat16", 16)]
+BUSY = "import os, sys\nif sys.argv[1] == '1': os.sched_setaffinity(0, {0})\nwhile True: pass\n"
+DEFAULT_SPIN = "300000"  # libgomp's own default, set explicitly so hyloop keeps its hands off
+
+
+# ---------------------------------------------------------------- children (one run each)
+
+
+def child(spec: dict[str, Any]) -> dict[str, Any]:
+    """One engine on one configuration, in this (fresh) process."""
+    importlib.import_module("hyloop")  # first: its OpenMP wait policy is set before torch loads
+    import torch
+
+    sys.path.insert(0, str(BENCH))
+    from decode_throughput import load_hf, run_hf, run_hyloop
+
+    from hyloop import LLM
+    from hyloop.omp_policy import status
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    out: dict[str, Any] = {"openmp": status(), "threads": torch.get_num_threads()}
+    batches, n, plen = spec["batches"], spec["new_tokens"], spec["prompt_len"]
+    prompts = {b: make_prompts(spec["model"], b, plen) for b in batches}
+    if spec["engine"] == "hf":
+        hf = load_hf(Path(spec["model"])).to(getattr(torch, spec["dtype"]))
+        for b in batches:
+            out[f"b{b}"] = run_hf(hf, prompts[b], n)["decode_tok_s"]
+        return out
+    overrides = [
+        f"dtype={spec['dtype']}",
+        f"model.weights={spec.get('weights', 'dequantize')}",
+        f"graphs.backend={spec.get('backend', 'eager')}",
+        f"graphs.buckets=[{','.join(map(str, batches))}]",
+        f"model.max_context={plen + n + 16}",
+        "kv_pool.page_size=16",
+        f"scheduler.max_running_requests={max(batches)}",
+        "cache.enable=false",
+    ]
+    with LLM(model=spec["model"], overrides=overrides) as llm:
+        out["linears"] = dict(llm.engine.derived.quantized_linears)
+        for b in batches:
+            out[f"b{b}"] = run_hyloop(llm, prompts[b], n, waves=spec["waves"])["decode_tok_s"]
+    return out
+
+
+def make_prompts(model: str, batch: int, length: int) -> list[list[int]]:
+    """``batch`` distinct prompts of ``length`` ids of one English text (every engine the same)."""
+    from decode_throughput import TEXT
+
+    from hyloop.models.loader import load_tokenizer
+
+    tok = load_tokenizer(model)
+    assert tok is not None, f"{model} ships no tokenizer"
+    ids = list(tok.encode(TEXT))
+    while len(ids) < length + batch:
+        ids += ids
+    return [ids[i : i + length] for i in range(batch)]
+
+
+def run_child(spec: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+        return {"error": f"exit {proc.returncode}: " + " | ".join(tail)}
+    return {**json.loads(lines[-1][7:]), "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+# ---------------------------------------------------------------- peers that may be missing
+
+
+def llama_cpp_bin(args: argparse.Namespace) -> str | None:
+    if args.llama_cpp:
+        path = Path(args.llama_cpp)
+        path = path / "llama-batched-bench" if path.is_dir() else path
+        return str(path) if path.is_file() else None
+    return shutil.which("llama-batched-bench")
+
+
+def run_llama_cpp(binary: str, gguf: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """``llama-batched-bench``'s S_TG (decode tok/s) at each batch, on all cores."""
+    threads = str(os.cpu_count() or 1)
+    npl = ",".join(map(str, args.batches))
+    cmd = [binary, "-m", str(gguf), "-npp", str(args.prompt_len), "-ntg", str(args.new_tokens)]
+    cmd += ["-npl", npl, "-t", threads, "-tb", threads]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        return {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-300:]}"}
+    out: dict[str, Any] = {}
+    for line in proc.stdout.splitlines():  # |  PP |  TG |  B | N_KV | T_PP s | S_PP t/s | ...
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 8 and cells[2].isdigit() and re.fullmatch(r"[\d.]+", cells[-1]):
+            out[f"b{int(cells[2])}"] = float(cells[7])  # S_TG t/s
+    return out or {"error": "no table in llama-batched-bench's output"}
+
+
+def vllm_python(args: argparse.Namespace) -> str | None:
+    if args.vllm_python:
+        return args.vllm_python
+    return sys.executable if importlib.util.find_spec("vllm") is not None else None
+
+
+VLLM_CHILD = """
+import json, sys, time
+from vllm import LLM, SamplingParams
+spec = json.loads(sys.argv[1])
+if __name__ == "__main__":
+    llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=256, seed=0)
+    out = {}
+    for b in spec["batches"]:
+        prompts = [{"prompt_token_ids": ids} for ids in spec["prompts"][str(b)]]
+        def run(n):
+            p = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)
+            t0 = time.perf_counter(); llm.generate(prompts, p, use_tqdm=False)
+            return time.perf_counter() - t0
+        run(4)
+        t1, tn = min(run(1) for _ in range(3)), min(run(spec["new_tokens"]) for _ in range(2))
+        out["b%d" % b] = b * (spec["new_tokens"] - 1) / (tn - t1)
+    print("RESULT " + json.dumps(out))
+"""
+
+
+def run_vllm(
+    python: str, hf_dir: str, dtype: str, model: Path, args: argparse.Namespace
+) -> dict[str, Any]:
+    """vLLM's ``generate`` on the same prompt ids: ``B * (N - 1) / (t(N) - t(1))``, as HF's."""
+    prompts = {str(b): make_prompts(str(model), b, args.prompt_len) for b in args.batches}
+    spec = {"model": hf_dir, "dtype": dtype, "batches": args.batches, "prompts": prompts}
+    spec |= {"prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
+    cpus = f"0-{(os.cpu_count() or 1) - 1}"  # its default keeps a core for the engine process
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cpus, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with tempfile.TemporaryDirectory() as tmp:  # vLLM spawns processes: a script file, guarded
+        script = Path(tmp) / "vllm_child.py"
+        script.write_text(VLLM_CHILD)
+        proc = subprocess.run(
+            [python, str(script), json.dumps(spec)],
+            capture_output=True,
+            text=True,
+            env={**env, "HF_HUB_OFFLINE": "1"},
+        )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        return {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-300:]}"}
+    return json.loads(lines[-1][7:])
+
+
+# ---------------------------------------------------------------- the two tables
+
+
+def peers_table(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
+    common = {"model": str(model), "batches": args.batches, "waves": args.waves}
+    common |= {"new_tokens": args.new_tokens, "prompt_len": args.prompt_len}
+    rows = []
+
+    def add(label: str, cells: dict[str, dict[str, Any]]) -> None:
+        rows.append({"engine": label, **cells})
+        print_peer_row(rows[-1], args)
+
+    for backend in args.backends:
+        for weights, name in (("dequantize", ""), ("auto", ", GGUF as shipped")):
+            cells = {}
+            for dtype in args.dtypes if weights == "dequantize" else ["float32"]:
+                spec = {**common, "engine": "hyloop", "backend": backend, "dtype": dtype}
+                cells[dtype] = run_child({**spec, "weights": weights})
+            add(f"hyloop {backend}{name}", cells)
+    if not args.skip_hf:
+        add(
+            "HF generate",
+            {d: run_child({**common, "engine": "hf", "dtype": d}) for d in args.dtypes},
+        )
+    python = vllm_python(args)
+    if python is None or not args.vllm_model:
+        why = "not installed" if python is None else "needs --vllm-model (an HF directory)"
+        add("vLLM CPU", {d: {"error": why} for d in args.dtypes})
+    else:
+        cells = {d: run_vllm(python, args.vllm_model, d, model, args) for d in args.dtypes}
+        add("vLLM CPU", cells)
+    binary = llama_cpp_bin(args)
+    if binary is None:
+        add("llama.cpp, GGUF as shipped", {"float32": {"error": "llama-batched-bench not found"}})
+    else:
+        add("llama.cpp, GGUF as shipped", {"float32": run_llama_cpp(binary, model, args)})
+        dense = {"float32": args.llama_gguf_f32, "bfloat16": args.llama_gguf_bf16}
+        if any(dense.values()):
+            cells = {d: run_llama_cpp(binary, Path(p), args) for d, p in dense.items() if p}
+            add("llama.cpp, same weights as F32 / BF16 GGUF", cells)
+    return rows
+
+
+def load_table(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
+    common = {"model": str(model), "batches": [1], "waves": args.waves, "dtype": "float32"}
+    common |= {"new_tokens": args.new_tokens, "prompt_len": args.prompt_len, "engine": "hyloop"}
+    policies = {
+        "libgomp default (spin)": {"GOMP_SPINCOUNT": DEFAULT_SPIN},
+        "hyloop (OMP_WAIT_POLICY=PASSIVE)": {},
+    }
+    rows = []
+    for policy, env in policies.items():
+        for weights in args.load_weights:
+            for backend in args.backends:
+                spec = {**common, "backend": backend, "weights": weights}
+                row = {"policy": policy, "backend": backend, "weights": weights}
+                row["quiet"] = run_child(spec, env)
+                busy = subprocess.Popen([sys.executable, "-c", BUSY, "1" if args.pin else "0"])
+                try:
+                    time.sleep(1.0)
+                    row["busy"] = run_child(spec, env)
+                finally:
+                    busy.kill()
+                    busy.wait()
+                rows.append(row)
+                print_load_row(row)
+    return rows
+
+
+def _cell(result: dict[str, Any] | None, key: str) -> str:
+    if result is None:
+        return "-"
+    if "error" in result:
+        return "n/a"
+    value = result.get(key)
+    return "-" if value is None else f"{value:.1f}"
+
+
+def print_peer_row(row: dict[str, Any], args: argparse.Namespace) -> None:
+    cells = " | ".join(_cell(row.get(d), f"b{b}") for d, b in COLUMNS)
+    notes = {r["error"] for d, _ in COLUMNS if (r := row.get(d)) and "error" in r}
+    print(f"| {row['engine']} | {cells} |" + (f"  ({'; '.join(notes)})" if notes else ""))
+
+
+def print_load_row(row: dict[str, Any]) -> None:
+    q, b = row["quiet"].get("b1"), row["busy"].get("b1")
+    ratio = f"{b / q:.2f}" if q and b else "-"
+    print(
+        f"| {row['policy']} | {row['backend']} | {row['weights']} | {_cell(row['quiet'], 'b1')} | "
+        f"{_cell(row['busy'], 'b1')} | {ratio} |",
+        flush=True,
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--load", action="store_true", help="quiet vs beside a busy process")
+    p.add_argument("--pin", action="store_true", help="--load: pin the busy process to CPU 0")
+    p.add_argument("--load-weights", default="dequantize,auto", help="--load: model.weights")
+    p.add_argument("--quick", action="store_true", help="16 new tokens, one timed wave")
+    p.add_argument("--model", help=".gguf (default: SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--backends", default="compile,eager")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--batches", default="1,16")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--waves", type=int, default=2)
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--vllm-python", help="an interpreter whose environment has vllm-cpu")
+    p.add_argument("--vllm-model", help="HF directory vLLM loads (it cannot run the Q4_1 GGUF)")
+    p.add_argument("--llama-cpp", help="llama-batched-bench, or the directory holding it")
+    p.add_argument("--llama-gguf-f32", help="the same weights as an F32 GGUF (for llama.cpp)")
+    p.add_argument("--llama-gguf-bf16", help="the same weights as a BF16 GGUF (for llama.cpp)")
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.new_tokens, args.waves = 16, 1
+    args.backends = [b for b in args.backends.split(",") if b]
+    args.dtypes = [d for d in args.dtypes.split(",") if d]
+    args.batches = [int(b) for b in args.batches.split(",") if b]
+    args.load_weights = [w for w in args.load_weights.split(",") if w]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        print("RESULT " + json.dumps(child(json.loads(args.child))), flush=True)
+        return 0
+    sys.path.insert(0, str(BENCH))
+    from common import machine_record, write_json
+
+    if args.model:
+        model = Path(args.model)
+    else:
+        from hyloop.recipes.offline import default_checkpoint
+
+        model = default_checkpoint()
+    machine, load = machine_record(), os.getloadavg()
+    print(
+        f"CPU: {machine['cpu_model']} ({machine['cpus']} cores), torch {machine['torch']}; "
+        f"{model.name}; {args.prompt_len}-token prompts, {args.new_tokens} greedy tokens; load "
+        f"average {load[0]:.1f} at start (other work on the machine distorts every figure)"
+    )
+    if args.load:
+        print("| OpenMP waits | backend | weights | b1 quiet | b1 beside busy | busy/quiet |")
+        print("|---|---|---|---:|---:|---:|")
+        rows = load_table(args, model)
+    else:
+        print("| engine | fp32 b1 | fp32 b16 | bf16 b1 | bf16 b16 |\n|---|---:|---:|---:|---:|")
+        rows = peers_table(args, model)
+    result = {"bench": "peers_load" if args.load else "peers", "model": str(model), "rows": rows}
+    result |= {"load_avg_start": load, "load_avg_end": os.getloadavg(), "args": vars(args)}
+    write_json(result, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
