@@ -314,6 +314,7 @@ def variant(
 
 def test_table_rows_past_the_codes_are_dropped(tmp_path: Path) -> None:
     """A table of 17 (released) or more rows loads as its first 16; the rest never matter."""
+
     def wide(t: dict[str, torch.Tensor]) -> None:
         t["audio_embeddings.1.weight"] = torch.cat([t["audio_embeddings.1.weight"][:16]] * 2)
 
