@@ -235,7 +235,9 @@ def load_table(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
         "hyloop (OMP_WAIT_POLICY=PASSIVE)": {},
     }
     rows = []
-    for policy, env in policies.items():
+    for policy, env in list(policies.items())[: 1 if args.spin_only else 2]:
+        if args.passive_only and env:
+            continue
         for weights in args.load_weights:
             for backend in args.backends:
                 spec = {**common, "backend": backend, "weights": weights}
@@ -284,6 +286,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--load", action="store_true", help="quiet vs beside a busy process")
     p.add_argument("--pin", action="store_true", help="--load: pin the busy process to CPU 0")
     p.add_argument("--load-weights", default="dequantize,auto", help="--load: model.weights")
+    p.add_argument("--spin-only", action="store_true", help="--load: libgomp's default only")
+    p.add_argument("--passive-only", action="store_true", help="--load: hyloop's policy only")
     p.add_argument("--quick", action="store_true", help="16 new tokens, one timed wave")
     p.add_argument("--model", help=".gguf (default: SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--backends", default="compile,eager")

@@ -18,6 +18,7 @@ share fully equal. Prints a table per workload with the CPU's name and writes JS
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from pathlib import Path
@@ -118,8 +119,7 @@ def compare(arm: dict[str, Any], ref: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def table(work: Workload, off: dict[str, Any], arms: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Print one workload's table; returns its JSON rows."""
+def header(work: Workload) -> None:
     print(
         f"\nworkload {work.name}: {len(work.register)} documents registered; "
         f"{len(work.queries)} queries; {sum(n for _, n in work.queries)} document tokens"
@@ -127,34 +127,35 @@ def table(work: Workload, off: dict[str, Any], arms: list[dict[str, Any]]) -> li
     print(
         f"{'reuse':<18} {'doc reused':>10} {'recomputed':>10} {'prefill':>8} {'wave s':>7} "
         f"{'cpu s':>7} {'cpu x':>6} {'mean KL':>8} {'max KL':>8} {'first':>6} {'agree':>6} "
-        f"{'equal':>6}"
+        f"{'equal':>6}",
+        flush=True,
     )
-    rows = []
-    for arm in [off, *arms]:
-        q = compare(arm, off)
-        if arm["recompute_tokens"] is None:
-            name = "off (prefix)"
-        else:
-            name = f"on {arm['recompute_tokens']}:{arm['recompute_ratio']:g}"
-        share = (arm["reused_tokens"] - arm["recomputed_tokens"]) / arm["doc_tokens"]
-        speedup = off["cpu_s"] / arm["cpu_s"]
-        print(
-            f"{name:<18} {share:>10.1%} {arm['recomputed_tokens']:>10} "
-            f"{arm['prefill_tokens_computed']:>8} {arm['wall_s']:>7.1f} {arm['cpu_s']:>7.1f} "
-            f"{speedup:>5.2f}x {q['mean_first_token_kl']:>8.5f} {q['max_first_token_kl']:>8.5f} "
-            f"{q['first_token_equal_share']:>6.2f} {q['greedy_agreement']:>6.2f} "
-            f"{q['greedy_equal_share']:>6.2f}"
-        )
-        rows.append(
-            {
-                **{k: v for k, v in arm.items() if k not in ("tokens", "first_logits")},
-                "doc_reused_share": share,
-                "cpu_speedup_vs_off": speedup,
-                "wall_speedup_vs_off": off["wall_s"] / arm["wall_s"],
-                **q,
-            }
-        )
-    return rows
+
+
+def row(arm: dict[str, Any], off: dict[str, Any]) -> dict[str, Any]:
+    """Print an arm's line of the table (as soon as it ran); returns its JSON row."""
+    q = compare(arm, off)
+    if arm["recompute_tokens"] is None:
+        name = "off (prefix)"
+    else:
+        name = f"on {arm['recompute_tokens']}:{arm['recompute_ratio']:g}"
+    share = (arm["reused_tokens"] - arm["recomputed_tokens"]) / arm["doc_tokens"]
+    speedup = off["cpu_s"] / arm["cpu_s"]
+    print(
+        f"{name:<18} {share:>10.1%} {arm['recomputed_tokens']:>10} "
+        f"{arm['prefill_tokens_computed']:>8} {arm['wall_s']:>7.1f} {arm['cpu_s']:>7.1f} "
+        f"{speedup:>5.2f}x {q['mean_first_token_kl']:>8.5f} {q['max_first_token_kl']:>8.5f} "
+        f"{q['first_token_equal_share']:>6.2f} {q['greedy_agreement']:>6.2f} "
+        f"{q['greedy_equal_share']:>6.2f}",
+        flush=True,
+    )
+    return {
+        **{k: v for k, v in arm.items() if k not in ("tokens", "first_logits")},
+        "doc_reused_share": share,
+        "cpu_speedup_vs_off": speedup,
+        "wall_speedup_vs_off": off["wall_s"] / arm["wall_s"],
+        **q,
+    }
 
 
 def main() -> None:
@@ -181,12 +182,16 @@ def main() -> None:
     cpu = lscpu_fields().get("Model name") or cpu_name()
     print(f"position-independent reuse, {model.name}, CPU: {cpu}")
     print(f"{NEW_TOKENS} greedy tokens per query; backend {args.backend}; 'cpu x' is the query")
-    print("wave's CPU-time speedup over reuse off; 'doc reused' is net of the recomputed tokens")
+    print("wave's CPU-time speedup over reuse off; 'doc reused' is net of the recomputed tokens;")
+    print("'prefill' counts the tokens that ran every layer")
     results = {}
     for work in works:
+        header(work)
         off = run_arm(model, args.backend, None, work)
-        arms = [run_arm(model, args.backend, arm, work) for arm in parse_arms(args.arms)]
-        results[work.name] = table(work, off, arms)
+        results[work.name] = [row(off, off)]
+        for arm in parse_arms(args.arms):
+            results[work.name].append(row(run_arm(model, args.backend, arm, work), off))
+            gc.collect()  # the arm's engine and pools, before the next one's
     write_json(
         {
             "model": str(model),

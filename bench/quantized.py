@@ -86,7 +86,9 @@ def gguf_models(names: list[str]) -> list[tuple[str, Path]]:
     return out
 
 
-def overrides(weights: str, dtype: str, backend: str, batches: list[int], context: int) -> list:
+def overrides(
+    weights: str, dtype: str, backend: str, batches: list[int], context: int
+) -> list[str]:
     return [
         f"model.weights={weights}",
         f"dtype={dtype}",
