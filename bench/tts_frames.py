@@ -32,14 +32,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+# hyloop before torch: it sets OpenMP's passive wait policy as torch loads (``omp_policy``), the
+# setting users get; spinning waits would charge the codec thread's core time to the loop.
+from hyloop.tts import ToneCodec, TTSEngine, TTSParams  # noqa: E402, I001
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 from common import cpu_name, parse_batches, test_helpers, write_json  # noqa: E402
 
-from hyloop.tts import ToneCodec, TTSEngine, TTSParams  # noqa: E402
 
 CODEC_HZ = 12.5
 PROMPT_ROWS = 32
