@@ -99,7 +99,7 @@ def run_arm(
     }
 
 
-def compare(arm: dict[str, Any], ref: dict[str, Any]) -> dict[str, float]:
+def compare(arm: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
     kls, agree, first, equal = [], [], 0, 0
     for lo, lr in zip(arm["first_logits"], ref["first_logits"], strict=True):
         p = torch.log_softmax(lr, -1)
@@ -116,6 +116,7 @@ def compare(arm: dict[str, Any], ref: dict[str, Any]) -> dict[str, float]:
         "first_token_equal_share": first / len(agree),
         "greedy_agreement": sum(agree) / len(agree),
         "greedy_equal_share": equal / len(agree),
+        "first_token_kls": kls,
     }
 
 

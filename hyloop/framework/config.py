@@ -126,10 +126,14 @@ class PositionIndependentSection(_Section):
         ge=0.0,
         le=1.0,
         description="share of each prefill chunk's reused tokens computed again, those whose "
-        "K at check_layer deviates most (CacheBlend); 0: reused spans skip prefill",
+        "K at check_layer deviates most, weighted by the attention the chunk's last tokens pay "
+        "them (CacheBlend); 0: reused spans skip prefill",
     )
     check_layer: int = Field(
-        1, ge=1, description="layer whose fresh K/V picks the tokens recompute_ratio recomputes"
+        3,
+        ge=1,
+        description="layer whose fresh K/V picks the tokens recompute_ratio recomputes (at most "
+        "the model's last layer but one)",
     )
 
     @model_validator(mode="after")

@@ -41,6 +41,26 @@ class SelectiveRecompute:
     ratio: float
     check_layer: int
     recomputed: int = 0  # reused tokens computed again, all requests
+    max_stretch: int = 8  # a chunk spans at most this many times the scheduler's chunk limit
+
+    def cost(self, spans: list[tuple[int, int]], start: int, length: int) -> int:
+        """Tokens of ``[start, start + length)`` that run every layer: the computed ones and
+        ``ratio`` of the reused (the layers before the check layer, a small share of the
+        model, run on all of them and are not counted)."""
+        end = start + length
+        reused = sum(max(0, min(e, end) - max(s, start)) for s, e in spans)
+        return length - reused + math.ceil(self.ratio * reused)
+
+    def fit(self, spans: list[tuple[int, int]], start: int, stop: int, limit: int) -> int:
+        """The longest chunk from ``start`` (up to ``stop``) that costs at most ``limit``
+        tokens: a selective request's prompt runs in one chunk where it can, so the attention
+        that weighs its reused tokens is its query's (``models.blend``)."""
+        lo = min(stop - start, limit)  # costs at most its length
+        hi = min(stop - start, limit * self.max_stretch)
+        while lo < hi:  # the cost grows with the length: the longest within the limit
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.cost(spans, start, mid) <= limit else (lo, mid - 1)
+        return lo
 
     def blend(
         self,

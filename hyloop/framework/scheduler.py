@@ -149,9 +149,18 @@ class Scheduler:
                 continue
             start, stop = req.next_prefill_span()
             req.num_computed = start  # reused spans were written at admission
-            length = min(stop - start, self.prefill_chunk, budget)
-            chunks.append(Chunk(req, start, self.cache.chunk_limit(start, length)))
-            budget -= chunks[-1].length
+            limit = min(self.prefill_chunk, budget)
+            policy = req.lease.selective if req.lease is not None else None
+            spans = req.lease.blend_spans if policy is not None else []
+            if policy is None:
+                length = min(stop - start, limit)
+            else:  # reused tokens mostly stop at the check layer: a longer chunk, same cost
+                length = policy.fit(spans, start, stop, limit)
+                if chunks and length < policy.fit(spans, start, stop, self.prefill_chunk):
+                    continue  # whole in a step with room: its query weighs what it recomputes
+            length = self.cache.chunk_limit(start, length)
+            chunks.append(Chunk(req, start, length))
+            budget -= length if policy is None else policy.cost(spans, start, length)
         if chunks:
             return Batch(chunks, is_decode=False)
         if self.running:

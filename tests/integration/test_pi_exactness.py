@@ -2,11 +2,12 @@
 
 Selective recompute: the layers up to the check layer hold this context's K/V for every token;
 past it, the reused tokens it recomputes are exactly those whose check-layer K deviates most
-from the donor's (the deviation measured here from a reuse-off run and a plain-shift run), and
-the rest keep the donor's KV bit for bit. Exact and approximate KV: a prompt that is an exact
-prefix of an earlier reused one is served exact KV (equal logits) or counts the rest as reuse,
-never approximate KV as cached. ``cache_salt``: tenants with the same documents share no node
-and no donor, in the engine, through ``LLM.generate`` and through ``run-batch``.
+from the donor's (the deviation measured here from a reuse-off run and a plain-shift run) times
+the attention the query pays them, and the rest keep the donor's KV bit for bit. Exact and
+approximate KV: a prompt that is an exact prefix of an earlier reused one is served exact KV
+(equal logits) or counts the rest as reuse, never approximate KV as cached. ``cache_salt``:
+tenants with the same documents share no node and no donor, in the engine, through
+``LLM.generate`` and through ``run-batch``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from hyloop.cache import MatchPrefixParams, RadixKey
 from hyloop.cli import main
 from hyloop.framework.requests import Request
 from hyloop.graphs.safety import check_capture_safe
+from hyloop.models import blend as blend_model
 from hyloop.recipes import run_batch
 from hyloop.sampling_params import BeamSearchParams
 
@@ -33,6 +35,7 @@ SHIFT_ONLY = [*PI, "cache.position_independent.recompute_tokens=0"]
 SHIFT_ONLY.append("cache.position_independent.recompute_ratio=0")
 ONE = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 RATIO = ["cache.position_independent.recompute_ratio=0.25"]
+CHECK_2 = "cache.position_independent.check_layer=2"  # of 4 layers: one runs past it
 # Short content-defined chunks: every document holds many whole chunks wherever it sits.
 SMALL_CHUNKS = [*PI, "cache.position_independent.boundary_bits=4"]
 SMALL_CHUNKS.append("cache.position_independent.min_chunk=16")
@@ -63,16 +66,26 @@ def kl(ref: torch.Tensor, got: torch.Tensor) -> float:
     return float((p.exp() * (p - q)).sum())
 
 
-def test_selective_recompute_recomputes_the_most_deviating_tokens(llama4: Path) -> None:
+def test_selective_recompute_recomputes_the_most_deviating_tokens(
+    llama4: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     g = torch.Generator().manual_seed(21)
     doc = rand(g, 300)
     donor, query = rand(g, 40) + doc + rand(g, 3), rand(g, 90) + doc + rand(g, 4)
     n = len(query) - 1  # one prefill chunk: the query is shorter than scheduler.prefill_chunk
+    seen: list[torch.Tensor] = []  # the attention that weighed each token's deviation
+
+    def observed(*args: Any) -> torch.Tensor:
+        seen.append(real_observed(*args))
+        return seen[-1]
+
+    real_observed = blend_model.observed
+    monkeypatch.setattr(blend_model, "observed", observed)
     runs: dict[str, Any] = {}
     for name, overrides in [
         ("off", ["graphs.backend=eager"]),
         ("shift", SHIFT_ONLY),
-        ("blend", [*PI, "cache.position_independent.recompute_tokens=0", *RATIO]),
+        ("blend", [*PI, "cache.position_independent.recompute_tokens=0", *RATIO, CHECK_2]),
     ]:
         with LLM(model=llama4, overrides=overrides) as llm:
             llm.generate([donor], ONE, use_tqdm=False)
@@ -97,9 +110,9 @@ def test_selective_recompute_recomputes_the_most_deviating_tokens(llama4: Path) 
     reused = shift.num_reused
     assert reused > 250 and blend.num_reused == reused and len(shift.reused_spans) == 1
     assert blend.num_recomputed == math.ceil(0.25 * reused)
-    # Check layer 1 and the layers before it: this context's K/V for every token.
-    torch.testing.assert_close(k_bl[:2], k_off[:2], atol=1e-5, rtol=0)
-    torch.testing.assert_close(v_bl[:2], v_off[:2], atol=1e-5, rtol=0)
+    # Check layer 2 and the layers before it: this context's K/V for every token.
+    torch.testing.assert_close(k_bl[:3], k_off[:3], atol=1e-5, rtol=0)
+    torch.testing.assert_close(v_bl[:3], v_off[:3], atol=1e-5, rtol=0)
     # Past it: a reused token was recomputed iff its layer-3 KV left the donor's.
     span = torch.zeros(n, dtype=torch.bool)
     start, end = shift.reused_spans[0]
@@ -107,21 +120,56 @@ def test_selective_recompute_recomputes_the_most_deviating_tokens(llama4: Path) 
     moved = ((k_bl[3] != k_sh[3]).flatten(1).any(1) | (v_bl[3] != v_sh[3]).flatten(1).any(1)) & span
     kept = span & ~moved
     assert int(moved.sum()) == blend.num_recomputed
-    for layer in (2, 3):  # the others keep the donor's KV bit for bit
-        assert torch.equal(k_bl[layer][kept], k_sh[layer][kept])
-        assert torch.equal(v_bl[layer][kept], v_sh[layer][kept])
-    # Layer 2 of a recomputed token reads only exact KV (layers 0-1): it is exact too.
-    torch.testing.assert_close(k_bl[2][moved], k_off[2][moved], atol=1e-5, rtol=0)
-    # The recomputed ones are the top of the check layer's K deviation from the donor's.
-    dev = (k_off[1] - k_sh[1]).square().sum((-2, -1))
-    assert float(dev[moved].min()) >= float(dev[kept].max()) * (1 - 1e-4)
+    # The others keep the donor's KV bit for bit; a recomputed token read only exact KV below.
+    assert torch.equal(k_bl[3][kept], k_sh[3][kept])
+    assert torch.equal(v_bl[3][kept], v_sh[3][kept])
+    torch.testing.assert_close(k_bl[3][moved], k_off[3][moved], atol=1e-5, rtol=0)
+    # The recomputed ones are the top of the check layer's K deviation from the donor's, times
+    # the attention the query's last tokens pay them there.
+    (attention,) = seen
+    score = (k_off[2] - k_sh[2]).square().sum((-2, -1)) * attention[0, :n]
+    assert float(score[moved].min()) >= float(score[kept].max()) * (1 - 1e-4)
+    # Deviation alone would pick otherwise: the weight is what chose.
+    dev = (k_off[2] - k_sh[2]).square().sum((-2, -1))
+    assert float(dev[moved].min()) < float(dev[kept].max())
+
+
+def test_a_selective_prompt_prefills_whole_and_waits_rather_than_split(llama4: Path) -> None:
+    """A reused prompt longer than the chunk limit still runs in one chunk (its reused tokens
+    cost a quarter each, ``RATIO``); one that the rest of a step's budget cannot take whole
+    waits for the next step instead of being split: each chunk ends with its query."""
+    g = torch.Generator().manual_seed(5)
+    docs = [rand(g, 700), rand(g, 300)]
+    queries = [rand(g, 30) + docs[0] + rand(g, 20), rand(g, 30) + docs[1] + rand(g, 450)]
+    budget = ["scheduler.prefill_chunk=700", "scheduler.prefill_token_budget=800"]
+    with LLM(model=llama4, overrides=[*PI, *RATIO, *budget]) as llm:
+        llm.generate([rand(g, 20) + d for d in docs], ONE, use_tqdm=False)
+        steps: list[list[tuple[int, int, bool]]] = []
+        plan = llm.engine.scheduler.next_batch
+
+        def recorded() -> Any:
+            batch = plan()
+            if batch is not None and not batch.is_decode:
+                steps.append([(c.start, c.length, c.completes_prompt) for c in batch.chunks])
+            return batch
+
+        llm.engine.scheduler.next_batch = recorded  # type: ignore[method-assign]
+        outs = llm.generate(queries, ONE, use_tqdm=False)
+        llm.engine.check_invariants()
+    assert outs[0].num_reused_tokens >= 600 and outs[1].num_reused_tokens >= 200
+    # Both were admitted at once (750 pending tokens < 800), but the first costs ~240 of the
+    # 800 and the second ~600: it runs in the next step, whole.
+    assert [len(step) for step in steps] == [1, 1]
+    (first,), (second,) = steps
+    assert first == (0, len(queries[0]), True) and len(queries[0]) > 700
+    assert second == (0, len(queries[1]), True)
 
 
 def test_an_exact_prefix_of_a_reused_prompt_is_exact_or_counted_as_reuse(llama4: Path) -> None:
     g = torch.Generator().manual_seed(8)
     doc = rand(g, 300)
     donor, query = rand(g, 40) + doc + rand(g, 3), rand(g, 90) + doc + rand(g, 6)
-    with LLM(model=llama4, overrides=PI) as llm:
+    with LLM(model=llama4, overrides=[*PI, CHECK_2]) as llm:
         llm.engine.capture_logits = True
         llm.generate([donor], ONE, use_tqdm=False)
         first = llm.generate([query], ONE, use_tqdm=False)[0]

@@ -93,6 +93,13 @@ class QKVAttention(nn.Module):
         _, k, v, _ = self._project(x, batch)
         return k, v
 
+    def queries_keys_values(
+        self, x: torch.Tensor, batch: StepBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q [B, T, Hq, D]`` and K rotated, and V ``[B, T, Hkv, D]``, for ``x``."""
+        q, k, v, _ = self._project(x, batch)
+        return q, k, v
+
     def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v, gate = self._project(x, batch)
