@@ -252,9 +252,15 @@ def generate_dataset(
     blocks = out.to_arrow_refs()
     rows = int(out.count())
     parts = max(1, len(blocks))
-    # Blocks of consecutive rows, in input order.
+    # Blocks of consecutive rows, in input order. The row column goes in a task per block, not
+    # a Dataset op: Ray Data's map ops may hand blocks on in the order they finish.
     ordered = regroup(blocks, np.arange(rows) * parts // max(rows, 1), None, [1] * parts)
-    return ray.data.from_arrow_refs([part[0] for part in ordered]).drop_columns([ROW])
+    return ray.data.from_arrow_refs([_drop_row.remote(part[0]) for part in ordered])
+
+
+@ray.remote
+def _drop_row(table: pa.Table) -> pa.Table:
+    return table.drop_columns([ROW])
 
 
 def init_ray(address: str | None) -> None:
