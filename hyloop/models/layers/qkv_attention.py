@@ -88,11 +88,6 @@ class QKVAttention(nn.Module):
         q, k = self.rotary(q, k, batch)
         return q, k, v, gate
 
-    def keys_values(self, x: torch.Tensor, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K (rotated) and V ``[B, T, Hkv, D]`` this block writes for ``x``."""
-        _, k, v, _ = self._project(x, batch)
-        return k, v
-
     def queries_keys_values(
         self, x: torch.Tensor, batch: StepBatch
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
