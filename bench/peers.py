@@ -140,6 +140,19 @@ def vllm_python(args: argparse.Namespace) -> str | None:
     return sys.executable if importlib.util.find_spec("vllm") is not None else None
 
 
+def vllm_preload(python: str) -> str:
+    """vLLM's recommended ``LD_PRELOAD`` on x86: tcmalloc and the Intel OpenMP its environment
+    ships (each only where present)."""
+    prefix = subprocess.run(
+        [python, "-c", "import sys; print(sys.prefix)"], capture_output=True, text=True
+    ).stdout.strip()
+    libs = [
+        *Path("/usr/lib/x86_64-linux-gnu").glob("libtcmalloc_minimal.so.4"),
+        *(Path(prefix) / "lib").glob("libiomp5.so"),
+    ]
+    return ":".join(str(p) for p in libs)
+
+
 VLLM_CHILD = """
 import json, sys, time
 from vllm import LLM, SamplingParams
@@ -169,6 +182,8 @@ def run_vllm(
     spec |= {"prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
     cpus = f"0-{(os.cpu_count() or 1) - 1}"  # its default keeps a core for the engine process
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cpus, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    if preload := vllm_preload(python):
+        env["LD_PRELOAD"] = preload
     with tempfile.TemporaryDirectory() as tmp:  # vLLM spawns processes: a script file, guarded
         script = Path(tmp) / "vllm_child.py"
         script.write_text(VLLM_CHILD)

@@ -8,7 +8,8 @@ Q4_K_M) runs in each ``model.weights`` variant:
   quantized types as per-channel int8),
 - ``int8`` and ``int4`` (every large Linear so, requantized from the file's values).
 
-For each it reports the perplexity of a held text (its ``prompt_logprobs``, one prefill), the
+For each it reports the perplexity of a held text (its ``prompt_logprobs``: once in one prefill,
+and once one position per step, ``ppl 1row``, where every Linear runs its decode kernel), the
 greedy agreement with dequantized float32 (16 prompts x ``--new-tokens`` greedy tokens: the mean
 share of tokens before the first divergence, and how many sequences are equal), the bytes of
 weights a step reads, and decode tok/s (prefill excluded, best of a few waves) at batch 1 and 16
@@ -152,6 +153,12 @@ def bench_model(name: str, path: Path, args: argparse.Namespace) -> list[dict[st
                         share, equal = agreement(got["token_ids"], ref)
                         row[f"{backend}_agree"] = share
                         row[f"{backend}_equal"] = f"{equal}/{len(ref)}"
+        # The same text one position per step: every Linear runs its one-row (decode) kernel,
+        # which for a quantized layer may differ from the many-row prefill's.
+        one_row = [*overrides(weights, dtype, "eager", [1], 1024), "scheduler.prefill_chunk=1"]
+        with LLM(model=path, overrides=one_row) as llm:
+            assert llm.tokenizer is not None
+            row["ppl_rows1"] = perplexity(llm, list(llm.tokenizer.encode(HELD_TEXT)))
         rows.append(row)
         print_row(row, args, rows[0])
     return rows
@@ -165,9 +172,11 @@ def print_row(row: dict[str, Any], args: argparse.Namespace, ref: dict[str, Any]
         for n in args.batches
     )
     ppl_rel = 100 * (row["ppl"] / ref["ppl"] - 1)
+    rows1_rel = 100 * (row["ppl_rows1"] / ref["ppl_rows1"] - 1)
     print(
         f"{row['model']:>8} {row['variant']:>18} {row['weight_mb']:>7.0f} {row['ppl']:>7.2f} "
-        f"{ppl_rel:>+6.2f}% {100 * row[f'{b}_agree']:>6.1f}% {row[f'{b}_equal']:>6} {speeds}",
+        f"{ppl_rel:>+6.2f}% {row['ppl_rows1']:>7.2f} {rows1_rel:>+6.2f}% "
+        f"{100 * row[f'{b}_agree']:>6.1f}% {row[f'{b}_equal']:>6} {speeds}",
         flush=True,
     )
 
@@ -175,7 +184,8 @@ def print_row(row: dict[str, Any], args: argparse.Namespace, ref: dict[str, Any]
 def header(args: argparse.Namespace) -> str:
     speeds = " ".join(f"{f'{be[:7]} b{n}':>9}" for be in args.backends for n in args.batches)
     return (
-        f"{'model':>8} {'variant':>18} {'MB':>7} {'ppl':>7} {'vs fp32':>7} {'agree':>7} "
+        f"{'model':>8} {'variant':>18} {'MB':>7} {'ppl':>7} {'vs fp32':>7} {'ppl 1row':>7} "
+        f"{'vs fp32':>7} {'agree':>7} "
         f"{'equal':>6} {speeds}"
     )
 

@@ -12,8 +12,9 @@ from torch import nn
 
 from hyloop import omp_policy
 from hyloop.models.cpu import cpu_ops
-from hyloop.models.cpu.kernel_choice import calibrate, shape_key
+from hyloop.models.cpu.kernel_choice import calibrate, calibrate_quantized, shape_key
 from hyloop.models.cpu.packed_linear import PackedLinear, pack_linears, packing_available
+from hyloop.models.quant.linear import WeightOnlyLinear
 
 log = logging.getLogger(__name__)
 _warned_policy = False
@@ -38,16 +39,22 @@ class CpuKernels:
         self.table: Any = None
         self.openmp = omp_policy.status()
         _warn_spinning_waits(self.openmp)
-        if pack and packing_available(torch.device("cpu")):
-            pack_linears(model)
+        # First: the loaded kernels add a GEMM candidate (``tiled``) to every Linear.
+        self.native = native is not False and cpu_ops.ensure_loaded(build=native is True)
+        if pack and (packing_available(torch.device("cpu")) or self.native):
+            pack_linears(model, tiled=self.native)
             self.layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
             if measure:
                 # An eager step cannot use the GEMV; ``calibrate_gemv`` times it when a one-row
                 # step is about to be compiled.
-                self.table = calibrate(self.layers, [1, *rows], with_gemv=compiled)
-        self.native = native is not False and cpu_ops.ensure_loaded(build=native is True)
+                self.table = calibrate(
+                    self.layers, [1, *rows], with_gemv=compiled, tiled=self.native
+                )
         if self.native:
             cpu_ops.register_packed(model)
+        self.quantized = [m for m in model.modules() if isinstance(m, WeightOnlyLinear)]
+        if self.native and measure and self.quantized:
+            self.table = calibrate_quantized(self.quantized, [1, *rows], table=self.table)
 
     @property
     def measured(self) -> bool:
@@ -56,13 +63,14 @@ class CpuKernels:
     def calibrate_gemv(self) -> None:
         """Before a one-row step is compiled: time the compiled GEMV for one row too."""
         if self.measured:
-            calibrate(self.layers, [1], with_gemv=True)
+            calibrate(self.layers, [1], with_gemv=True, tiled=self.native)
 
     def summary(self) -> dict[str, Any] | None:
         """What was measured and chosen (the run summary's ``cpu kernels`` lines)."""
         if self.table is None:
             return None
         chosen = {shape_key(m.weight): dict(m.kernels) for m in self.layers}
+        chosen |= {m.shape_key: dict(m.kernels) for m in self.quantized}
         return {
             "measured": self.table.measured,
             "measure_s": round(self.table.measure_s, 2),

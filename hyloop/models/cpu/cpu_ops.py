@@ -9,11 +9,19 @@
   descending, ties to the lower index (a sampler's few candidates).
 - ``hyloop::packed_linear_native(x, handle)``: ``PackedLinear``'s GEMM with no Python kernel, for
   a compiled step's C++ wrapper to call directly; ``register_packed`` hands it the weights.
+- ``hyloop::small_gemm(x [.., K], weight [N, K] fp32 | bf16, bias?) -> [.., N]`` (``cpu_gemm.cpp``):
+  a few rows times a dense weight, each weight tile read once for every row, bfloat16 converted
+  in registers, float32 math, output in ``x``'s dtype (the ``tiled`` kernel of a
+  ``PackedLinear``);
+- ``hyloop::int4_gemm(x, nibbles [N, K / 2] uint8, scale, mins [N, K / 32] fp32, bias?)`` and
+  ``hyloop::int8_gemm(x, codes [N, K] int8, scale [N] fp32, bias?)``: the weight-only layers'
+  ``tiled`` kernels (``quant.linear``); with AVX2 the activations are quantized to int8 per group
+  of 32 and each group's dot product is integer (``maddubs`` / ``madd``).
 
 ``layers.attention.NativePath`` is the compute path over the first two; ``bench/tts_frames.py``
 and ``bench/decode_step.py`` measure what each saves.
 
-The library is ``$HYLOOP_CACHE_DIR/cpu_ops/<key>.so``, keyed by the source, torch and the CPU (it
+The library is ``$HYLOOP_CACHE_DIR/cpu_ops/<key>.so``, keyed by the sources, torch and the CPU (it
 is built with ``-march=native``). With ``build=False`` (the engine's ``model.cpu_ops=auto``)
 ``ensure_loaded`` builds a missing library only after this process exits, so a first run neither
 waits for the compiler nor shares its cores with it. Without a compiler, or when the build fails,
@@ -41,7 +49,7 @@ from hyloop.models.cpu.kernel_choice import cache_dir, cpu_description
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "cpu_gemm.cpp"))
 
 _LIB = torch.library.Library("hyloop", "FRAGMENT")
 _LIB.define(
@@ -64,6 +72,28 @@ def _decode_attention_fake(
 
 def _topk_rows_fake(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x.new_empty((x.shape[0], k)), x.new_empty((x.shape[0], k), dtype=torch.long)
+
+
+def _small_gemm_fake(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _int4_gemm_fake(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    mins: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], codes.shape[0]))
+
+
+def _int8_gemm_fake(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], codes.shape[0]))
 
 
 _lock = threading.Lock()
@@ -91,7 +121,7 @@ def register_packed(model: torch.nn.Module) -> None:
     from hyloop.models.cpu.packed_linear import PackedLinear
 
     for module in model.modules():
-        if isinstance(module, PackedLinear) and not module.native:
+        if isinstance(module, PackedLinear) and module.packed is not None and not module.native:
             torch.ops.hyloop.register_packed(module.handle, module.packed, module.bias)
             weakref.finalize(module, torch.ops.hyloop.unregister_packed, module.handle)
             module.native = True
@@ -108,12 +138,18 @@ def _flags() -> list[str]:
 
 
 def _compile_command(compiler: str, out: str) -> list[str]:
-    return [compiler, str(SOURCE), "-o", out, *_flags()]
+    return [compiler, *map(str, SOURCES), "-o", out, *_flags()]
 
 
 def library_path() -> Path:
     cpu = cpu_description()
-    parts = [SOURCE.read_text(), torch.__version__, cpu["model"], cpu["flags"], *_flags()]
+    parts = [
+        *(s.read_text() for s in SOURCES),
+        torch.__version__,
+        cpu["model"],
+        cpu["flags"],
+        *_flags(),
+    ]
     key = hashlib.blake2b("\n".join(parts).encode(), digest_size=8).hexdigest()
     return cache_dir() / "cpu_ops" / f"{key}.so"
 
@@ -139,6 +175,9 @@ def _load(build: bool) -> bool:
         # Same output as the Python-kernel hyloop::packed_linear.
         torch.library.register_fake("hyloop::packed_linear_native", _packed_linear_fake)
         torch.library.register_fake("hyloop::topk_rows", _topk_rows_fake)
+        torch.library.register_fake("hyloop::small_gemm", _small_gemm_fake)
+        torch.library.register_fake("hyloop::int4_gemm", _int4_gemm_fake)
+        torch.library.register_fake("hyloop::int8_gemm", _int8_gemm_fake)
     except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", None) or str(e)
         log.warning("hyloop CPU kernels unavailable (%s); plain PyTorch paths", detail[-2000:])

@@ -7,7 +7,12 @@ at every row count its steps will run (the batch buckets, a prefill chunk) and t
 - ``linear``: plain ``F.linear`` (MKL / oneDNN, the weight re-packed per call);
 - ``packed``: oneDNN on a weight packed once (its bf16 path uses AMX where the CPU has it);
 - ``gemv``: one row as a multiply-reduce that inductor makes one vectorised, threaded kernel
-  (one row, compiled steps only: eager would materialise the products).
+  (one row, compiled steps only: eager would materialise the products);
+- ``tiled``: hyloop's few-row GEMM (``cpu_gemm.cpp``, where the CPU kernels are loaded): each
+  weight tile read once for every row, bfloat16 weights converted in registers.
+
+Only the candidates that exist here are timed: no ``packed`` where oneDNN cannot pack the dtype
+(bfloat16 without AVX-512-BF16 or AMX), no ``tiled`` without the CPU kernels.
 
 Choices are kept in ``$HYLOOP_CACHE_DIR/kernels/<machine>.json`` (keyed by CPU model and flags,
 torch version and thread count), so a later run here measures nothing. Eager and captured steps
@@ -16,6 +21,7 @@ read the same choice for the same rows, so both compute the same thing.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import itertools
 import json
@@ -33,9 +39,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hyloop.models.cpu.packed_linear import packing_available
+
 log = logging.getLogger(__name__)
 
-KERNELS = ("linear", "packed", "gemv")
+KERNELS = ("linear", "packed", "gemv", "tiled")
+QUANT_KERNELS = ("aten", "tiled")  # a weight-only int4 / int8 Linear: torch's or hyloop's
 
 
 # In a compiled step the GEMV fuses with its neighbours (norm before, activation after) and costs
@@ -72,6 +81,7 @@ def machine_key() -> str:
     """What a measured choice depends on: CPU model and flags, torch, threads."""
     cpu = cpu_description()
     parts = [cpu["model"], cpu["flags"], torch.__version__, str(torch.get_num_threads())]
+    parts += [p.read_text() for p in sorted(Path(__file__).parent.glob("*.cpp"))]  # ``tiled``
     return hashlib.blake2b("\n".join(parts).encode(), digest_size=8).hexdigest()
 
 
@@ -130,7 +140,7 @@ class KernelTable:
                 return table
             for shape, by_rows in data["entries"].items():
                 table.entries[shape] = {
-                    int(r): {k: float(v) for k, v in us.items() if k in KERNELS}
+                    int(r): {k: float(v) for k, v in us.items() if k in (*KERNELS, *QUANT_KERNELS)}
                     for r, us in by_rows.items()
                 }
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -185,6 +195,17 @@ def last_level_cache_bytes() -> int:
         return 32 * 2**20
 
 
+def kernels_here(weight: torch.Tensor, tiled: bool) -> set[str]:
+    """The kernels a Linear with this weight can run here (``tiled``: the CPU kernels are loaded
+    for this engine)."""
+    here = {"linear", "gemv"}
+    if packing_available(weight.device, weight.dtype):
+        here.add("packed")
+    if tiled and weight.device.type == "cpu":
+        here.add("tiled")
+    return here
+
+
 def _gemv(w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     out = (w * x).sum(-1)
     return out if bias is None else out + bias
@@ -195,11 +216,16 @@ class LinearCandidates:
     last-level cache, called in turn: a decode step streams every weight from memory once,
     and timing one hot copy would measure the cache instead."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tiled: bool) -> None:
         stream = 2 * last_level_cache_bytes()
         n = max(1, min(32, -(-stream // (weight.numel() * weight.element_size()))))
         self.weights = [weight.clone() for _ in range(n)]  # all alike for the compiled GEMV
-        self.packed = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in self.weights]
+        self.packed = (
+            [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in self.weights]
+            if packing_available(weight.device, weight.dtype)
+            else []
+        )
+        self.tiled = tiled
         self.bias = bias
         self._gemv: Callable[..., torch.Tensor] | None = None
 
@@ -212,10 +238,13 @@ class LinearCandidates:
 
         candidates: dict[str, Callable[[], object]] = {
             "linear": lambda: F.linear(x, nth("linear", ws), bias),
-            "packed": lambda: torch.ops.mkldnn._linear_pointwise(
-                x, nth("packed", packed), bias, "none", [], ""
-            ),
         }
+        if packed:
+            candidates["packed"] = lambda: torch.ops.mkldnn._linear_pointwise(
+                x, nth("packed", packed), bias, "none", [], ""
+            )
+        if self.tiled:
+            candidates["tiled"] = lambda: torch.ops.hyloop.small_gemm(x, nth("tiled", ws), bias)
         if with_gemv and x.shape[0] == 1:
             if self._gemv is None:
                 # A code object of its own per shape: Dynamo caches compiled code per code
@@ -235,6 +264,7 @@ def calibrate(
     rows: Iterable[int],
     *,
     with_gemv: bool,
+    tiled: bool = False,
     table: KernelTable | None = None,
     budget_s: float = 0.03,
 ) -> KernelTable:
@@ -251,13 +281,14 @@ def calibrate(
     with torch.inference_mode():
         for shape, layer in first.items():
             by_rows = table.entries.setdefault(shape, {})
+            available = [k for k in allowed if k in kernels_here(layer.weight, tiled)]
             kernels: LinearCandidates | None = None
             for r in rows:
                 known = by_rows.get(r, {})
-                wanted = [k for k in allowed if k != "gemv" or r == 1]
+                wanted = [k for k in available if k != "gemv" or r == 1]
                 if all(k in known for k in wanted):
                     continue
-                kernels = kernels or LinearCandidates(layer.weight.detach(), layer.bias)
+                kernels = kernels or LinearCandidates(layer.weight.detach(), layer.bias, tiled)
                 x = torch.randn(r, layer.in_features, dtype=layer.weight.dtype)
                 candidates = kernels.for_rows(x, with_gemv)
                 timed = time_candidates(
@@ -273,5 +304,65 @@ def calibrate(
             log.warning("hyloop: could not keep kernel choices in %s: %s", table.path, e)
         log.info("hyloop: timed %d kernel choices in %.1f s", table.measured, table.measure_s)
     for layer in layers:
-        layer.set_kernels(table.choices(shape_key(layer.weight), allowed))
+        here = [k for k in allowed if k in kernels_here(layer.weight, tiled)]
+        layer.set_kernels(table.choices(shape_key(layer.weight), here))
+    return table
+
+
+def _quantized_candidates(copies: list[Any], x: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """A weight-only layer's two kernels, each call on the next of ``copies``."""
+    turn = itertools.count()
+
+    def aten() -> object:
+        layer = copies[next(turn) % len(copies)]
+        return layer.matmul(x.to(torch.bfloat16)).float()
+
+    def tiled() -> object:
+        return copies[next(turn) % len(copies)].tiled(x)
+
+    return {"aten": aten, "tiled": tiled}
+
+
+def calibrate_quantized(
+    layers: Iterable[Any],
+    rows: Iterable[int],
+    *,
+    table: KernelTable | None = None,
+    budget_s: float = 0.03,
+) -> KernelTable:
+    """As ``calibrate``, for weight-only int4 / int8 Linears (``quant.linear``): torch's kernel
+    (``aten``) against hyloop's (``tiled``) at each row count, over copies of the layer that
+    together exceed the last-level cache; each layer gets the faster."""
+    table = table if table is not None else KernelTable.load()
+    layers = list(layers)
+    first: dict[str, Any] = {}
+    for layer in layers:
+        first.setdefault(layer.shape_key, layer)
+    t0, measured = time.perf_counter(), table.measured
+    with torch.inference_mode():
+        for shape, layer in first.items():
+            by_rows = table.entries.setdefault(shape, {})
+            copies: list[Any] = []
+            for r in sorted(set(rows)):
+                known = by_rows.get(r, {})
+                if all(k in known for k in QUANT_KERNELS):
+                    continue
+                if not copies:
+                    size = sum(b.numel() * b.element_size() for b in layer.buffers())
+                    n = max(1, min(32, -(-2 * last_level_cache_bytes() // size)))
+                    copies = [copy.deepcopy(layer) for _ in range(n)]
+                candidates = _quantized_candidates(copies, torch.randn(r, layer.in_features))
+                timed = time_candidates(
+                    {k: fn for k, fn in candidates.items() if k not in known}, budget_s=budget_s
+                )
+                by_rows[r] = {**known, **{k: round(v, 2) for k, v in timed.items()}}
+                table.measured += 1
+    table.measure_s += time.perf_counter() - t0
+    if table.measured > measured:
+        try:
+            table.save()
+        except OSError as e:
+            log.warning("hyloop: could not keep kernel choices in %s: %s", table.path, e)
+    for layer in layers:
+        layer.set_kernels(table.choices(layer.shape_key, QUANT_KERNELS))
     return table

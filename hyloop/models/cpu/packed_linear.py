@@ -1,15 +1,20 @@
-"""Linear layers whose weights are pre-packed for oneDNN on CPU.
+"""Linear layers whose weights are pre-packed for oneDNN on CPU, with hyloop's few-row GEMM beside.
 
 A plain ``F.linear`` re-packs its weight matrix on every call; at decode batch sizes that
 packing, not the arithmetic, dominates (the weights stream from memory once per step anyway),
-so the weights are packed once at load time.
+so the weights are packed once at load time. Where oneDNN cannot pack the dtype (bfloat16 on a
+CPU without AVX-512-BF16 or AMX, whose ``F.linear`` takes a slow generic path) the layer keeps
+no packed copy and chooses between ``F.linear`` and hyloop's few-row GEMM
+(``cpu_gemm.cpp``: ``hyloop::small_gemm``, the weight read once for every row, bfloat16
+converted to float32 in registers).
 
 A ``PackedLinear`` runs as one operator, ``hyloop::linear``, whose two forms are the two
 kernels measured fastest on this machine (``kernel_choice``) for the row count at hand: its CPU
 kernel is the eager step's choice, and its inductor decomposition the compiled step's, which
-may be the one-row GEMV (a multiply-reduce inductor fuses with its neighbours) or the packed
-GEMM as an opaque call (``hyloop::packed_linear``, or the C++ ``packed_linear_native`` when
-the CPU kernels are loaded). Nothing in the layer asks whether it is being compiled.
+may be the one-row GEMV (a multiply-reduce inductor fuses with its neighbours), the few-row GEMM
+or the packed GEMM as an opaque call (``hyloop::packed_linear``, or the C++
+``packed_linear_native`` when the CPU kernels are loaded). Nothing in the layer asks whether it
+is being compiled.
 """
 
 from __future__ import annotations
@@ -39,7 +44,9 @@ def packing_available(device: torch.device, dtype: torch.dtype = torch.float32) 
 # Python layers cost several times the dispatch of these.
 _LIB = torch.library.Library("hyloop", "FRAGMENT")
 _LIB.define("packed_linear(Tensor x, int handle) -> Tensor")
-_LIB.define("linear(Tensor x, Tensor weight, Tensor? bias, int handle) -> Tensor")
+# ``kernels``: the layer's measured choices, spelled out so that they are part of every traced
+# graph and of the compile caches' keys (an artifact built under other choices is not reused).
+_LIB.define("linear(Tensor x, Tensor weight, Tensor? bias, int handle, str kernels) -> Tensor")
 
 
 def _packed_linear_cpu(x: torch.Tensor, handle: int) -> torch.Tensor:
@@ -47,7 +54,7 @@ def _packed_linear_cpu(x: torch.Tensor, handle: int) -> torch.Tensor:
 
 
 def _linear_cpu(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int, kernels: str
 ) -> torch.Tensor:
     return _PACKED[handle].eager_form(x)
 
@@ -66,14 +73,14 @@ def _packed_linear_fake(x: torch.Tensor, handle: int) -> torch.Tensor:
 
 @torch.library.register_fake("hyloop::linear", lib=_LIB)
 def _linear_fake(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int, kernels: str
 ) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 @register_decomposition(torch.ops.hyloop.linear.default, registry=inductor_decompositions)
 def _linear_compiled(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int, kernels: str
 ) -> torch.Tensor:
     return _PACKED[handle].compiled_form(x, weight, bias)
 
@@ -86,8 +93,10 @@ class PackedLinear(nn.Module):
     """Drop-in for an ``nn.Linear`` (same parameters and names) plus a packed weight copy.
 
     ``kernels`` maps a row count to the kernel measured fastest for it on this machine
-    (``kernel_choice``): ``linear``, ``packed`` or ``gemv`` (compiled steps only); a row count
-    between two measured ones takes the choice of the next measured one above it.
+    (``kernel_choice``): ``linear``, ``packed`` (absent where oneDNN cannot pack the dtype),
+    ``tiled`` (hyloop's few-row GEMM) or ``gemv`` (compiled steps only); a row count between two
+    measured ones takes the choice of the next measured one above it, and one above every
+    measured count (a prefill chunk) a GEMM built for many rows.
     """
 
     def __init__(self, linear: nn.Linear, batch_hint: int = 16) -> None:
@@ -98,15 +107,20 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
         if hasattr(linear, "shard_sizes"):
             self.shard_sizes = linear.shard_sizes
-        with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_hint)
+        self.packed: torch.Tensor | None = None
+        if packing_available(self.weight.device, self.weight.dtype):
+            with torch.no_grad():
+                w = self.weight.detach()
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
         self.handle = next(_HANDLES)
         _PACKED[self.handle] = self
         self.kernels: tuple[tuple[int, str], ...] = ()  # (rows, kernel), rows ascending
+        self.kernels_key = ""
         self.native = False  # registered with ``hyloop::packed_linear_native`` (``cpu_ops``)
 
     def set_kernels(self, kernels: dict[int, str]) -> None:
         self.kernels = tuple(sorted(kernels.items()))
+        self.kernels_key = ",".join(f"{rows}:{kernel}" for rows, kernel in self.kernels)
 
     def kernel(self, rows: int, compiled: bool) -> str:
         """The measured kernel for ``rows`` rows; unmeasured, the packed GEMM (the GEMV for one
@@ -114,16 +128,21 @@ class PackedLinear(nn.Module):
         for measured, kernel in self.kernels:
             if measured >= rows:
                 return kernel
+        many = "packed" if self.packed is not None else "linear"
         if self.kernels:
-            return self.kernels[-1][1]
-        return "gemv" if rows == 1 and compiled else "packed"
+            kernel = self.kernels[-1][1]
+            return many if kernel == "tiled" else kernel  # built for a few rows only
+        return "gemv" if rows == 1 and compiled else many
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.handle)
+        return linear(x, self.weight, self.bias, self.handle, self.kernels_key)
 
     def eager_form(self, x: torch.Tensor) -> torch.Tensor:
         """``hyloop::linear``'s CPU kernel (eager steps): the GEMV pays only when fused."""
-        if self.kernel(x.numel() // self.in_features, compiled=False) == "linear":
+        kernel = self.kernel(x.numel() // self.in_features, compiled=False)
+        if kernel == "tiled":
+            return torch.ops.hyloop.small_gemm(x, self.weight, self.bias)
+        if kernel == "linear" or self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return self.run_packed(x)
 
@@ -133,7 +152,9 @@ class PackedLinear(nn.Module):
         """``hyloop::linear`` as inductor lowers it (traced with static shapes)."""
         rows = x.numel() // self.in_features
         kernel = self.kernel(rows, compiled=True)
-        if kernel == "linear":
+        if kernel == "tiled":
+            return torch.ops.hyloop.small_gemm(x, weight, bias)
+        if kernel == "linear" or self.packed is None:
             return F.linear(x, weight, bias)
         if kernel == "gemv" and rows == 1:
             # One vectorised, threaded multiply-reduce: it can stream the weight faster than a
@@ -146,6 +167,7 @@ class PackedLinear(nn.Module):
         return packed_linear(x, self.handle)
 
     def run_packed(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.packed is not None, "no packed weight: oneDNN cannot pack this dtype here"
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
@@ -153,14 +175,18 @@ class PackedLinear(nn.Module):
 MIN_PACKED_WEIGHTS = 1 << 16
 
 
-def pack_linears(model: nn.Module, batch_hint: int = 16) -> int:
-    """Replace each large ``nn.Linear`` of ``model`` whose dtype oneDNN can pack here by a
-    ``PackedLinear``; returns how many."""
+def pack_linears(model: nn.Module, batch_hint: int = 16, tiled: bool = False) -> int:
+    """Replace each large ``nn.Linear`` of ``model`` by a ``PackedLinear`` where it has a kernel
+    to choose: oneDNN can pack its dtype here, or (``tiled``: the CPU kernels are loaded for this
+    engine) hyloop's few-row GEMM can run it; returns how many."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             big = type(child) is nn.Linear and child.weight.numel() >= MIN_PACKED_WEIGHTS
-            if big and packing_available(child.weight.device, child.weight.dtype):
+            w = child.weight if big else None
+            if w is not None and (
+                packing_available(w.device, w.dtype) or (tiled and w.device.type == "cpu")
+            ):
                 setattr(parent, name, PackedLinear(child, batch_hint))
                 count += 1
     return count

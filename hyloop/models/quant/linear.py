@@ -1,16 +1,20 @@
-"""Linear layers over weight-only int4 / int8 weights, run by torch's own CPU kernels.
+"""Linear layers over weight-only int4 / int8 weights, each run by one of two kernels.
 
 - ``Int4Linear``: ``aten._weight_int4pack_mm_for_cpu`` over a weight packed once by
   ``aten._convert_weight_to_int4pack_for_cpu`` (groups of 32 along the input, a scale and a zero
-  per group);
-- ``Int8Linear``: ``aten._weight_int8pack_mm`` (int8 codes, one scale per output channel).
+  per group), or hyloop's ``hyloop::int4_gemm`` (``models/cpu/cpu_gemm.cpp``) over the same
+  codes two to a byte;
+- ``Int8Linear``: ``aten._weight_int8pack_mm`` (int8 codes, one scale per output channel), or
+  ``hyloop::int8_gemm`` over the same codes.
 
-Both kernels are vectorised (AVX2 / AVX-512 on x86, NEON on Arm) for bfloat16 activations only;
-float32 ones take a scalar loop several times slower than a dense float32 GEMM. So activations
-enter in bfloat16 and the output returns in the model's dtype: a float32 model computes its
-weight-only layers with bfloat16 inputs and outputs (the accumulation stays float32), which
-``bench/quantized.py`` measures against the dequantized model. Both ops are plain ATen ops with
-fake kernels, so a compiled step traces them as they are (extern calls inside the graph).
+torch's two kernels are vectorised (AVX2 / AVX-512 on x86, NEON on Arm) for bfloat16
+activations only (float32 ones take a scalar loop several times slower than a dense float32
+GEMM), so on that path activations enter in bfloat16 and the output returns in the model's
+dtype, with float32 accumulation. hyloop's take float32 activations and unpack the codes in
+registers (AVX2 + FMA where the CPU has them). Which one a layer runs at each row count is
+measured on this machine (``models/cpu/kernel_choice.calibrate_quantized``, kernels ``aten`` and
+``tiled``), as for dense Linears; without the CPU kernels it is torch's. All four are plain
+operators with fake kernels, so a compiled step traces them as they are (extern calls).
 """
 
 from __future__ import annotations
@@ -54,27 +58,65 @@ class WeightOnlyLinear(nn.Module, ABC):
         self.in_features = in_features
         self.out_features = out_features
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.kernels: tuple[tuple[int, str], ...] = ()  # (rows, "aten" | "tiled"), ascending
+
+    kind: str = ""  # "int4" | "int8": the kernel table's shape key prefix
 
     @abstractmethod
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x [M, K]`` in ``ACT_DTYPE`` times the weight, ``[M, N]`` in ``ACT_DTYPE``."""
 
+    @abstractmethod
+    def tiled(self, x: torch.Tensor) -> torch.Tensor:
+        """hyloop's kernel: ``x [M, K]`` in any float dtype times the weight plus the bias,
+        ``[M, N]`` in ``x``'s dtype (float32 math)."""
+
+    @abstractmethod
+    def aten_buffers(self) -> tuple[torch.Tensor, ...]:
+        """The buffers torch's kernel reads (``nbytes`` of a step on that path)."""
+
+    @abstractmethod
+    def tiled_buffers(self) -> tuple[torch.Tensor, ...]:
+        """The buffers hyloop's kernel reads."""
+
+    def set_kernels(self, kernels: dict[int, str]) -> None:
+        self.kernels = tuple(sorted(kernels.items()))
+
+    def kernel(self, rows: int) -> str:
+        """The measured kernel for ``rows`` rows (the next measured count above; above every
+        measured count, a prefill chunk, torch's); unmeasured, torch's."""
+        for measured, kernel in self.kernels:
+            if measured >= rows:
+                return kernel
+        return "aten"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.matmul(x.reshape(-1, self.in_features).to(ACT_DTYPE)).to(x.dtype)
-        if self.bias is not None:
-            out = out + self.bias
+        x2 = x.reshape(-1, self.in_features)
+        if self.kernel(x2.shape[0]) == "tiled":
+            out = self.tiled(x2)
+        else:
+            out = self.matmul(x2.to(ACT_DTYPE)).to(x.dtype)
+            if self.bias is not None:
+                out = out + self.bias
         return out.view(*x.shape[:-1], self.out_features)
 
     @property
+    def shape_key(self) -> str:
+        return f"{self.kind} {self.out_features}x{self.in_features}"
+
+    @property
     def nbytes(self) -> int:
-        """Bytes a step reads for this layer's weight (codes and scales)."""
-        return sum(b.numel() * b.element_size() for b in self.buffers())
+        """Bytes a one-row step reads for this layer's weight (codes and scales)."""
+        bufs = self.tiled_buffers() if self.kernel(1) == "tiled" else self.aten_buffers()
+        return sum(b.numel() * b.element_size() for b in bufs)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
 class Int4Linear(WeightOnlyLinear):
+    kind = "int4"
+
     def __init__(self, groups: Int4Groups, bias: torch.Tensor | None = None) -> None:
         n, k = groups.codes.shape
         super().__init__(n, k, bias)
@@ -90,17 +132,33 @@ class Int4Linear(WeightOnlyLinear):
         zero = groups.min + 8 * groups.scale
         sz = torch.stack([groups.scale, zero], dim=-1).transpose(0, 1).contiguous()
         self.register_buffer("scales_zeros", sz.to(ACT_DTYPE))
+        # hyloop's layout: per group of 32, byte j holds code j (low nibble) and code j + 16.
+        g = groups.codes.view(n, k // 32, 2, 16)
+        self.register_buffer("nibbles", (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2))
+        self.register_buffer("scale", groups.scale.float().contiguous())
+        self.register_buffer("mins", groups.min.float().contiguous())
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, self.packed, self.group, self.scales_zeros
         )
 
+    def tiled(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.hyloop.int4_gemm(x, self.nibbles, self.scale, self.mins, self.bias)
+
+    def aten_buffers(self) -> tuple[torch.Tensor, ...]:
+        return (self.packed, self.scales_zeros)
+
+    def tiled_buffers(self) -> tuple[torch.Tensor, ...]:
+        return (self.nibbles, self.scale, self.mins)
+
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, group={self.group}"
 
 
 class Int8Linear(WeightOnlyLinear):
+    kind = "int8"
+
     def __init__(self, rows: Int8Rows, bias: torch.Tensor | None = None) -> None:
         n, k = rows.codes.shape
         super().__init__(n, k, bias)
@@ -108,6 +166,16 @@ class Int8Linear(WeightOnlyLinear):
             raise ValueError(f"int8 weight [{n}, {k}]: the kernel needs input columns % 16 == 0")
         self.register_buffer("codes", rows.codes.contiguous())
         self.register_buffer("scales", rows.scale.to(ACT_DTYPE))
+        self.register_buffer("scales_f32", rows.scale.float().contiguous())
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales)
+
+    def tiled(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.hyloop.int8_gemm(x, self.codes, self.scales_f32, self.bias)
+
+    def aten_buffers(self) -> tuple[torch.Tensor, ...]:
+        return (self.codes, self.scales)
+
+    def tiled_buffers(self) -> tuple[torch.Tensor, ...]:
+        return (self.codes, self.scales_f32)
