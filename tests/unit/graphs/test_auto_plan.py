@@ -107,3 +107,19 @@ def test_an_unreadable_history_is_empty(tmp_path: Path) -> None:
     history.record_capture("compile", (2, 16), 3.0)
     history.save()
     assert json.loads(path.read_text())["capture_s"] == {"compile": {"b2_kv16": [3.0]}}
+
+
+def test_a_captured_step_measured_slower_than_eager_is_never_chosen(tmp_path: Path) -> None:
+    """A forced slow candidate: on a machine whose compiled step measured slower than eager
+    (as a spinning-OpenMP compiled step beside a busy process is), no job is long enough for
+    ``auto`` to capture it, even with the capture itself free."""
+    history = StepHistory(tmp_path / "h.json")
+    for _ in range(5):
+        history.record_step("eager", 1, 0.040)
+        history.record_step("compile", 1, 0.045)
+    history.record_capture("compile", (1, 16), 0.0)
+    history.save()  # the step samples become figures
+    est = history.estimates("compile", Estimates())
+    assert est.captured(1) > est.eager(1)
+    assert choose({(1, 16): 1_000_000}, est).captured == []
+    assert choose({(1, 16): 1_000_000}, est, have={(1, 16)}).captured == []
