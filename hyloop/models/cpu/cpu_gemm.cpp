@@ -282,7 +282,7 @@ inline void int4_tile_q8(const int8_t* qx, const float* dx, const float* xsum, i
       for (int n = 0; n < NT; ++n) {
         acc[m][n] = _mm256_fmadd_ps(idot(codes[n], xv), _mm256_set1_ps(scale[n * G + g] * d),
                                     acc[m][n]);
-        tail[m][n] += mins[n * G + g] * xs;
+        tail[m][n] = std::fma(mins[n * G + g], xs, tail[m][n]);  // one rounding, every tile shape
       }
     }
   }

@@ -364,5 +364,15 @@ def calibrate_quantized(
         except OSError as e:
             log.warning("hyloop: could not keep kernel choices in %s: %s", table.path, e)
     for layer in layers:
-        layer.set_kernels(table.choices(layer.shape_key, QUANT_KERNELS))
+        layer.set_kernels(_one_for_all_rows(table.entries.get(layer.shape_key, {})))
     return table
+
+
+def _one_for_all_rows(by_rows: Mapping[int, Mapping[str, float]]) -> dict[int, str]:
+    """A weight-only layer's single kernel (``WeightOnlyLinear.set_kernels``): the one whose
+    measured row counts take the least time together."""
+    total = {k: sum(us.get(k, float("inf")) for us in by_rows.values()) for k in QUANT_KERNELS}
+    if not by_rows:
+        return {}
+    best = fastest(total)
+    return dict.fromkeys(by_rows, best)

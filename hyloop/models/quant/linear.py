@@ -80,15 +80,17 @@ class WeightOnlyLinear(nn.Module, ABC):
         """The buffers hyloop's kernel reads."""
 
     def set_kernels(self, kernels: dict[int, str]) -> None:
+        """One kernel for every row count: the two differ in their activations' rounding
+        (bfloat16 against int8 per group), so a row's result must not depend on how many rows
+        share its call (a batch, a prefill chunk, a prefix-cache hit shortening a prefill).
+        ``kernels`` maps each measured row count to its choice; all must agree."""
+        if len(set(kernels.values())) > 1:
+            raise ValueError(f"{self.shape_key}: one kernel for every row count, not {kernels}")
         self.kernels = tuple(sorted(kernels.items()))
 
     def kernel(self, rows: int) -> str:
-        """The measured kernel for ``rows`` rows (the next measured count above; above every
-        measured count, a prefill chunk, torch's); unmeasured, torch's."""
-        for measured, kernel in self.kernels:
-            if measured >= rows:
-                return kernel
-        return "aten"
+        """The measured kernel (the same for every row count); unmeasured, torch's."""
+        return self.kernels[0][1] if self.kernels else "aten"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)

@@ -119,16 +119,38 @@ def test_compiled_calls_equal_eager() -> None:
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
 
 
-def test_quantized_layers_run_the_measured_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_quantized_layers_run_one_measured_kernel_at_every_row_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The kernels round activations differently, so a row's result must not depend on how
+    many rows share the call: one kernel for all."""
     layer = Int4Linear(int4_from_dense(torch.randn(64, 128)))
     calls: list[str] = []
     monkeypatch.setattr(layer, "tiled", lambda x: calls.append("tiled") or x.new_zeros(len(x), 64))
     monkeypatch.setattr(layer, "matmul", lambda x: calls.append("aten") or x.new_zeros(len(x), 64))
-    layer.set_kernels({1: "tiled", 16: "aten"})
-    for rows in (1, 8, 200):  # 200: above every measured count (a prefill chunk): torch's
+    layer(torch.randn(3, 128))
+    assert calls == ["aten"]  # unmeasured: torch's
+    layer.set_kernels({1: "tiled", 16: "tiled"})
+    for rows in (1, 8, 200):  # 200: above every measured count (a prefill chunk)
         layer(torch.randn(rows, 128))
-    assert calls == ["tiled", "aten", "aten"]
+    assert calls == ["aten", "tiled", "tiled", "tiled"]
     assert layer.nbytes == sum(b.numel() * b.element_size() for b in layer.tiled_buffers())
+    with pytest.raises(ValueError, match="one kernel for every row count"):
+        layer.set_kernels({1: "tiled", 16: "aten"})
+
+
+def test_a_prefix_hit_does_not_change_a_quantized_rows_result() -> None:
+    """The same row alone, in a batch and in a long prefill chunk: the same output, to float32
+    summation order (two kernels would differ by their activations' rounding, ~1000x more)."""
+    layer = Int4Linear(int4_from_dense(torch.randn(64, 128)))
+    layer.set_kernels({1: "tiled", 4: "tiled"})
+    rows = torch.randn(300, 128)
+    whole = layer(rows)
+    tol = 1e-5 * float(whole.abs().max())
+    torch.testing.assert_close(layer(rows[:1]), whole[:1], rtol=0, atol=0)
+    torch.testing.assert_close(layer(rows[5:9]), whole[5:9], rtol=0, atol=0)
+    other = layer.matmul(rows.bfloat16()).float()  # torch's kernel on the same rows
+    assert float((other - whole).abs().max()) > 100 * tol
 
 
 def _slow(real):  # noqa: ANN001, ANN202
