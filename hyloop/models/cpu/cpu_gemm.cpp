@@ -7,6 +7,8 @@
 // loops run in portable C++. Work is split over output columns: one chunk per thread.
 
 #include <ATen/Parallel.h>
+
+#include "cpu_pool.h"
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
@@ -121,7 +123,7 @@ void dense_gemm(const float* x, int64_t M, int64_t K, const W* w, int64_t N, flo
   const int64_t tiles = (N + tile - 1) / tile;
   const int64_t grain = std::max<int64_t>(1, (tiles + at::get_num_threads() - 1) /
                                                  at::get_num_threads());
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+  hyloop::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * tile, nt = std::min(tile, N - n0);
       const W* wt = w + n0 * K;
@@ -163,49 +165,16 @@ at::Tensor small_gemm(const at::Tensor& x, const at::Tensor& weight,
 // a row's dot is sum_g scale_g * dot(x_g, codes_g) + min_g * sum(x_g).
 constexpr int64_t kGroup = 32;
 
-#ifdef HYLOOP_AVX2
-// The 32 codes of one group as four float32 vectors (codes 0-7, 8-15, 16-23, 24-31).
-inline void unpack_group(const uint8_t* q, __m256 c[4]) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-  c[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-  c[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-  c[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-  c[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-}
-#endif
-
 inline int code_at(const uint8_t* q, int64_t j) {
   return j < 16 ? (q[j] & 0x0F) : (q[j - 16] >> 4);
 }
 
-// MT rows against one weight row n.
+// MT rows against one weight row n (the portable path).
 template <int MT>
 inline void int4_row(const float* x, int64_t ldx, const float* xsum, int64_t ldxs,
                      const uint8_t* q, const float* scale, const float* mins, int64_t K,
                      float* out, int64_t ldo) {
   const int64_t G = K / kGroup;
-  float tail[MT] = {};
-#ifdef HYLOOP_AVX2
-  __m256 acc[MT];
-  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    __m256 c[4];
-    unpack_group(q + g * (kGroup / 2), c);
-    const __m256 s = _mm256_set1_ps(scale[g]);
-    for (int m = 0; m < MT; ++m) {
-      const float* xg = x + m * ldx + g * kGroup;
-      __m256 d = _mm256_mul_ps(c[0], _mm256_loadu_ps(xg));
-      d = _mm256_fmadd_ps(c[1], _mm256_loadu_ps(xg + 8), d);
-      d = _mm256_fmadd_ps(c[2], _mm256_loadu_ps(xg + 16), d);
-      d = _mm256_fmadd_ps(c[3], _mm256_loadu_ps(xg + 24), d);
-      acc[m] = _mm256_fmadd_ps(d, s, acc[m]);
-      tail[m] += mins[g] * xsum[m * ldxs + g];
-    }
-  }
-  for (int m = 0; m < MT; ++m) out[m * ldo] = hsum(acc[m]) + tail[m];
-#else
   for (int m = 0; m < MT; ++m) {
     float total = 0.0f;
     for (int64_t g = 0; g < G; ++g) {
@@ -216,7 +185,6 @@ inline void int4_row(const float* x, int64_t ldx, const float* xsum, int64_t ldx
     }
     out[m * ldo] = total;
   }
-#endif
 }
 
 #ifdef HYLOOP_AVX2
@@ -230,18 +198,25 @@ inline void int4_row(const float* x, int64_t ldx, const float* xsum, int64_t ldx
 struct Q8Rows {
   at::Tensor codes;  // int8 [M, K]
   at::Tensor scale;  // float32 [M, K / 32]
+  at::Tensor sums;   // float32 [M, K / 32]: each group's sum of x (the int4 minimum term)
 };
 
 Q8Rows quantize_rows(const at::Tensor& xf) {
   const int64_t M = xf.size(0), K = xf.size(1), G = K / kGroup;
-  Q8Rows q{at::empty({M, K}, xf.options().dtype(at::kChar)), at::empty({M, G}, xf.options())};
+  Q8Rows q{at::empty({M, K}, xf.options().dtype(at::kChar)), at::empty({M, G}, xf.options()),
+           at::empty({M, G}, xf.options())};
   const float* xp = xf.const_data_ptr<float>();
   int8_t* qp = q.codes.mutable_data_ptr<int8_t>();
   float* sp = q.scale.mutable_data_ptr<float>();
+  float* sums = q.sums.mutable_data_ptr<float>();
   for (int64_t i = 0; i < M * G; ++i) {
     const float* v = xp + i * kGroup;
-    float amax = 0.0f;
-    for (int64_t j = 0; j < kGroup; ++j) amax = std::max(amax, std::abs(v[j]));
+    float amax = 0.0f, total = 0.0f;
+    for (int64_t j = 0; j < kGroup; ++j) {
+      amax = std::max(amax, std::abs(v[j]));
+      total += v[j];
+    }
+    sums[i] = total;
     const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
     sp[i] = d;
     for (int64_t j = 0; j < kGroup; ++j)
@@ -345,10 +320,7 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
               "int4_gemm: scale and mins float32 [N, K / 32]");
   const at::Tensor xf = rows_as_float(x, K);
   const int64_t M = xf.size(0);
-  const at::Tensor xsum = xf.view({M, G, kGroup}).sum(-1).contiguous();
   at::Tensor out = at::empty({M, N}, xf.options());
-  const float* xp = xf.const_data_ptr<float>();
-  const float* sp = xsum.const_data_ptr<float>();
   const uint8_t* qp = codes.const_data_ptr<uint8_t>();
   const float* scp = scale.const_data_ptr<float>();
   const float* mp = mins.const_data_ptr<float>();
@@ -359,7 +331,8 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const Q8Rows q8 = quantize_rows(xf);
   const int8_t* qx = q8.codes.const_data_ptr<int8_t>();
   const float* dx = q8.scale.const_data_ptr<float>();
-  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+  const float* sp = q8.sums.const_data_ptr<float>();
+  hyloop::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
     over_tiles(M, begin, end, [&](auto mt, auto nt, int64_t m, int64_t n) {
       int4_tile_q8<decltype(mt)::value, decltype(nt)::value>(
           qx + m * K, dx + m * G, sp + m * G, K, qp + n * (K / 2), scp + n * G, mp + n * G,
@@ -367,8 +340,11 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
     });
   });
   return finish(out, x, N, bias);
-#endif
-  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+#else
+  const at::Tensor xsum = xf.view({M, G, kGroup}).sum(-1).contiguous();
+  const float* xp = xf.const_data_ptr<float>();
+  const float* sp = xsum.const_data_ptr<float>();
+  hyloop::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* q = qp + n * (K / 2);
       const float *s = scp + n * G, *mn = mp + n * G;
@@ -378,6 +354,7 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
     }
   });
   return finish(out, x, N, bias);
+#endif
 }
 
 // ------------------------------------------------------------------ int8 rows
@@ -434,7 +411,7 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
     const float* dx = q8.scale.const_data_ptr<float>();
     const int64_t rows_grain = std::max<int64_t>(1, (N + at::get_num_threads() - 1) /
                                                         at::get_num_threads());
-    at::parallel_for(0, N, rows_grain, [&](int64_t begin, int64_t end) {
+    hyloop::parallel_for(0, N, rows_grain, [&](int64_t begin, int64_t end) {
       over_tiles(M, begin, end, [&](auto mt, auto nt, int64_t m, int64_t n) {
         int8_tile_q8<decltype(mt)::value, decltype(nt)::value>(
             qx + m * K, dx + m * (K / kGroup), K, qp + n * K, scp + n, op + m * N + n, N);
@@ -447,7 +424,7 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const int64_t tiles = (N + kTile - 1) / kTile;
   const int64_t grain = std::max<int64_t>(1, (tiles + at::get_num_threads() - 1) /
                                                  at::get_num_threads());
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+  hyloop::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kTile, nt = std::min(kTile, N - n0);
       for (int64_t m = 0; m < M; m += 4) {

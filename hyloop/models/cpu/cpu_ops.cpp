@@ -11,6 +11,8 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
+
+#include "cpu_pool.h"
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <torch/library.h>
@@ -64,7 +66,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_bu
   const float sc = static_cast<float>(scale);
   const float ninf = -std::numeric_limits<float>::infinity();
   // One task per (sequence, kv head): its G query heads share every K and V row read.
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  hyloop::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), row(D), scores(G * L), acc(G * D), mx(G), sum(G);
     std::vector<int64_t> cols(L);
     for (int64_t t = begin; t < end; ++t) {
@@ -150,7 +152,7 @@ std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& x, int64_t k) {
   const float* xp = xc.const_data_ptr<float>();
   float* vp = values.mutable_data_ptr<float>();
   int64_t* ip = indices.mutable_data_ptr<int64_t>();
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+  hyloop::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const float* row = xp + b * V;
       float* vals = vp + b * k;

@@ -18,6 +18,12 @@
   ``tiled`` kernels (``quant.linear``); with AVX2 the activations are quantized to int8 per group
   of 32 and each group's dot product is integer (``maddubs`` / ``madd``).
 
+All of them split their work over hyloop's own thread pool (``cpu_pool.cpp``), not OpenMP's
+regions: its workers spin between a step's kernels while the machine is quiet (no halted vCPU to
+wake per kernel) and hand the work to OpenMP's sleeping threads while other processes want the
+cores; ``HYLOOP_CPU_POOL=0`` always takes OpenMP. ``hyloop::pool_cover(n, grain)`` is its test
+probe (visits per index, then the threads that ran a chunk).
+
 ``layers.attention.NativePath`` is the compute path over the first two; ``bench/tts_frames.py``
 and ``bench/decode_step.py`` measure what each saves.
 
@@ -49,7 +55,10 @@ from hyloop.models.cpu.kernel_choice import cache_dir, cpu_description
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "cpu_gemm.cpp"))
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "cpu_gemm.cpp", "cpu_pool.cpp")
+)
+HEADERS = (Path(__file__).with_name("cpu_pool.h"),)  # part of the library's key, not compiled
 
 _LIB = torch.library.Library("hyloop", "FRAGMENT")
 _LIB.define(
@@ -144,7 +153,7 @@ def _compile_command(compiler: str, out: str) -> list[str]:
 def library_path() -> Path:
     cpu = cpu_description()
     parts = [
-        *(s.read_text() for s in SOURCES),
+        *(s.read_text() for s in (*SOURCES, *HEADERS)),
         torch.__version__,
         cpu["model"],
         cpu["flags"],

@@ -81,7 +81,8 @@ def machine_key() -> str:
     """What a measured choice depends on: CPU model and flags, torch, threads."""
     cpu = cpu_description()
     parts = [cpu["model"], cpu["flags"], torch.__version__, str(torch.get_num_threads())]
-    parts += [p.read_text() for p in sorted(Path(__file__).parent.glob("*.cpp"))]  # ``tiled``
+    sources = [*Path(__file__).parent.glob("*.cpp"), *Path(__file__).parent.glob("*.h")]
+    parts += [p.read_text() for p in sorted(sources)]  # ``tiled``
     return hashlib.blake2b("\n".join(parts).encode(), digest_size=8).hexdigest()
 
 
