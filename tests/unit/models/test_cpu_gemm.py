@@ -46,6 +46,23 @@ def test_small_gemm_keeps_leading_dims_and_the_activation_dtype() -> None:
     _close(got.float(), F.linear(x.float(), w), 1e-2)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 33])
+@pytest.mark.parametrize("n,k", [(64, 96), (37, 100), (9, 7), (24, 1536)])
+def test_bf16_rows_on_bf16_weights(rows: int, n: int, k: int) -> None:
+    """bfloat16 activations on bfloat16 weights (vdpbf16ps where the CPU has AVX-512 BF16):
+    exact products, float32 sums, one bfloat16 rounding of the output; a row's result is the
+    same alone as in a batch (every tile shape sums a row in the same order)."""
+    g = torch.Generator().manual_seed(rows * 7 + n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g)
+    got = torch.ops.hyloop.small_gemm(x, w, bias)
+    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+    _close(got.float(), F.linear(x.float(), w.float(), bias), 8e-3)
+    alone = torch.ops.hyloop.small_gemm(x[-1:], w, bias)
+    torch.testing.assert_close(alone, got[-1:], rtol=0, atol=0)
+
+
 def _q8(x: torch.Tensor) -> torch.Tensor:
     """What the AVX2 kernels do to activations: int8 per group of 32, one scale per group."""
     g = x.reshape(*x.shape[:-1], -1, 32)
@@ -54,11 +71,12 @@ def _q8(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 16])
-def test_int4_gemm_is_the_dequantized_matmul(rows: int) -> None:
+@pytest.mark.parametrize("k", [192, 96])  # 6 and 3 groups (the VNNI tile pairs groups)
+def test_int4_gemm_is_the_dequantized_matmul(rows: int, k: int) -> None:
     torch.manual_seed(rows)
-    w, bias = torch.randn(80, 192) * 0.05, torch.randn(80) * 0.1
+    w, bias = torch.randn(80, k) * 0.05, torch.randn(80) * 0.1
     layer = Int4Linear(int4_from_dense(w), bias)
-    x = torch.randn(rows, 192)
+    x = torch.randn(rows, k)
     got = layer.tiled(x)
     groups = int4_from_dense(w)
     dense = groups.dequantize()
@@ -139,12 +157,13 @@ def test_quantized_layers_run_one_measured_kernel_at_every_row_count(
         layer.set_kernels({1: "tiled", 16: "aten"})
 
 
-def test_a_prefix_hit_does_not_change_a_quantized_rows_result() -> None:
+@pytest.mark.parametrize("k", [128, 96])
+def test_a_prefix_hit_does_not_change_a_quantized_rows_result(k: int) -> None:
     """The same row alone, in a batch and in a long prefill chunk: the same output, to float32
     summation order (two kernels would differ by their activations' rounding, ~1000x more)."""
-    layer = Int4Linear(int4_from_dense(torch.randn(64, 128)))
+    layer = Int4Linear(int4_from_dense(torch.randn(64, k)))
     layer.set_kernels({1: "tiled", 4: "tiled"})
-    rows = torch.randn(300, 128)
+    rows = torch.randn(300, k)
     whole = layer(rows)
     tol = 1e-5 * float(whole.abs().max())
     torch.testing.assert_close(layer(rows[:1]), whole[:1], rtol=0, atol=0)
