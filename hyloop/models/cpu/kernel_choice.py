@@ -94,7 +94,13 @@ def time_candidates(
 ) -> dict[str, float]:
     """Microseconds per call of each candidate: the best of ``rounds`` interleaved rounds, each
     calling a candidate for about ``budget_s / rounds`` (at least twice), after a warm-up call.
-    Interleaving keeps a noisy neighbour from favouring whichever ran in a quiet moment."""
+    Interleaving keeps a noisy neighbour from favouring whichever ran in a quiet moment.
+
+    Each call is timed alone after ``GAP_S`` of other work on this thread, as a step calls a
+    kernel between its other operators: back to back, an OpenMP kernel finds its helper threads
+    just finished and awake, where in a step they have gone to sleep (the passive wait policy)
+    and each region pays for waking them (~80 us on a quiet 2-core VM, more than many of these
+    kernels take)."""
     best = dict.fromkeys(candidates, float("inf"))
     calls: dict[str, int] = {}
     for name, fn in candidates.items():
@@ -102,15 +108,28 @@ def time_candidates(
         t0 = time.perf_counter()
         fn()
         once = max(time.perf_counter() - t0, 1e-6)
-        calls[name] = max(2, min(500, int(budget_s / rounds / once)))
+        calls[name] = max(2, min(500, int(budget_s / rounds / (once + GAP_S))))
     for _ in range(rounds):
         for name, fn in candidates.items():
             n = calls[name]
-            t0 = time.perf_counter()
+            total = 0.0
             for _ in range(n):
+                _busy(GAP_S)
+                t0 = time.perf_counter()
                 fn()
-            best[name] = min(best[name], (time.perf_counter() - t0) / n * 1e6)
+                total += time.perf_counter() - t0
+            best[name] = min(best[name], total / n * 1e6)
     return best
+
+
+GAP_S = 50e-6  # other work between two kernels of a step (see ``time_candidates``)
+
+
+def _busy(seconds: float) -> None:
+    """Keep this thread busy (not asleep: a sleeping caller would idle its core too)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 def fastest(timings: Mapping[str, float]) -> str:
