@@ -255,7 +255,7 @@ def load_table(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
     common |= {"new_tokens": args.new_tokens, "prompt_len": args.prompt_len, "engine": "hyloop"}
     policies = {
         "libgomp default (spin)": {"GOMP_SPINCOUNT": DEFAULT_SPIN},
-        "hyloop (OMP_WAIT_POLICY=PASSIVE)": {},
+        "hyloop (its kernel pool, OpenMP passive)": {},
     }
     rows = []
     for policy, env in list(policies.items())[: 1 if args.spin_only else 2]:

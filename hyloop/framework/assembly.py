@@ -279,7 +279,8 @@ def build_graphs(
     )
     channels = contract.rows.channels if contract.rows is not None else None
     buffer = CaptureBuffer.init(buckets[-1], kind.captured_pools, kv_buckets[-1], channels)
-    options = {**(kind.cpu_compile_options if device.type == "cpu" else {}), **g.compile_options}
+    cpu_options = {**cpu_ops.compile_options(), **kind.cpu_compile_options}
+    options = {**(cpu_options if device.type == "cpu" else {}), **g.compile_options}
     runner = BucketRunner(
         kind,
         buffer,

@@ -124,6 +124,14 @@ def ensure_loaded(build: bool = True) -> bool:
         return _state["loaded"]
 
 
+def compile_options() -> dict[str, int]:
+    """Inductor options for a compiled CPU step: with the kernels loaded, the step's heavy work
+    (GEMMs, attention) runs on their pool, and inductor's own kernels (norms, rotary, sampling on
+    a few rows) run serially: at decode sizes each OpenMP region cost more in waking a sleeping
+    thread than it saved (SmolLM2 bf16 batch 1: 64 -> 72-86 tok/s serial)."""
+    return {"cpp.threads": 1} if available() else {}
+
+
 def register_packed(model: torch.nn.Module) -> None:
     """Hand every packed Linear of ``model`` to ``hyloop::packed_linear_native`` (the loaded
     kernels' registry), so compiled steps call its GEMM with no Python in between."""
