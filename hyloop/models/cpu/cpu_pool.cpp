@@ -92,24 +92,25 @@ class LoadMonitor {
   // Whether other processes now use the cores our `threads` need (re-sampled every kSample).
   bool contended(int threads) {
     const auto now = Clock::now();
-    if (now - last_ < kSample) return contended_.load(std::memory_order_relaxed);
+    const Clock::time_point last{Clock::duration(last_.load(std::memory_order_relaxed))};
+    if (now - last < kSample) return contended_.load(std::memory_order_relaxed);
     std::unique_lock<std::mutex> lock(m_, std::try_to_lock);
     if (!lock.owns_lock()) return contended_.load(std::memory_order_relaxed);
     const CpuTimes t = read_cpu_times();
-    const double wall = std::chrono::duration<double>(now - last_).count();
+    const double wall = std::chrono::duration<double>(now - last).count();
     if (t.ok && prev_.ok && wall > 0.0) {
       const double others = std::max(0.0, (t.busy_s - prev_.busy_s) - (t.ours_s - prev_.ours_s));
       const double free_cores = static_cast<double>(cpus_) - threads;
       contended_.store(others / wall > free_cores + 0.3, std::memory_order_relaxed);
     }
     prev_ = t;
-    last_ = now;
+    last_.store(now.time_since_epoch().count(), std::memory_order_relaxed);
     return contended_.load(std::memory_order_relaxed);
   }
 
  private:
   std::mutex m_;
-  Clock::time_point last_{};
+  std::atomic<Clock::rep> last_{0};  // when prev_ was read
   CpuTimes prev_{};
   std::atomic<bool> contended_{false};
   const int cpus_ = static_cast<int>(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN)));
