@@ -121,9 +121,7 @@ void dense_gemm(const float* x, int64_t M, int64_t K, const W* w, int64_t N, flo
   constexpr int64_t kTileOne = 6, kTile = 3;
   const int64_t tile = M == 1 ? kTileOne : kTile;
   const int64_t tiles = (N + tile - 1) / tile;
-  const int64_t grain = std::max<int64_t>(1, (tiles + at::get_num_threads() - 1) /
-                                                 at::get_num_threads());
-  hyloop::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+  hyloop::parallel_chunks(tiles, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * tile, nt = std::min(tile, N - n0);
       const W* wt = w + n0 * K;
@@ -192,9 +190,7 @@ void bf16_gemm(const c10::BFloat16* x, int64_t M, int64_t K, const c10::BFloat16
                float* out) {
   const int64_t tile = M == 1 ? 8 : 4;
   const int64_t tiles = (N + tile - 1) / tile;
-  const int64_t grain = std::max<int64_t>(1, (tiles + at::get_num_threads() - 1) /
-                                                 at::get_num_threads());
-  hyloop::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+  hyloop::parallel_chunks(tiles, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * tile, nt = std::min(tile, N - n0);
       const c10::BFloat16* wt = w + n0 * K;
@@ -488,14 +484,12 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const float* scp = scale.const_data_ptr<float>();
   const float* mp = mins.const_data_ptr<float>();
   float* op = out.mutable_data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(1, (N + at::get_num_threads() - 1) /
-                                                 at::get_num_threads());
 #ifdef HYLOOP_AVX2
   const Q8Rows q8 = quantize_rows(xf);
   const int8_t* qx = q8.codes.const_data_ptr<int8_t>();
   const float* dx = q8.scale.const_data_ptr<float>();
   const float* sp = q8.sums.const_data_ptr<float>();
-  hyloop::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+  hyloop::parallel_chunks(N, [&](int64_t begin, int64_t end) {
     over_tiles(M, begin, end, [&](auto mt, auto nt, int64_t m, int64_t n) {
 #ifdef HYLOOP_VNNI512
       int4_tile_vnni<decltype(mt)::value, decltype(nt)::value>(
@@ -511,7 +505,7 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const at::Tensor xsum = xf.view({M, G, kGroup}).sum(-1).contiguous();
   const float* xp = xf.const_data_ptr<float>();
   const float* sp = xsum.const_data_ptr<float>();
-  hyloop::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+  hyloop::parallel_chunks(N, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* q = qp + n * (K / 2);
       const float *s = scp + n * G, *mn = mp + n * G;
@@ -576,9 +570,7 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
     const Q8Rows q8 = quantize_rows(xf);
     const int8_t* qx = q8.codes.const_data_ptr<int8_t>();
     const float* dx = q8.scale.const_data_ptr<float>();
-    const int64_t rows_grain = std::max<int64_t>(1, (N + at::get_num_threads() - 1) /
-                                                        at::get_num_threads());
-    hyloop::parallel_for(0, N, rows_grain, [&](int64_t begin, int64_t end) {
+    hyloop::parallel_chunks(N, [&](int64_t begin, int64_t end) {
       over_tiles(M, begin, end, [&](auto mt, auto nt, int64_t m, int64_t n) {
         int8_tile_q8<decltype(mt)::value, decltype(nt)::value>(
             qx + m * K, dx + m * (K / kGroup), K, qp + n * K, scp + n, op + m * N + n, N);
@@ -589,9 +581,7 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 #endif
   constexpr int64_t kTile = 3;
   const int64_t tiles = (N + kTile - 1) / kTile;
-  const int64_t grain = std::max<int64_t>(1, (tiles + at::get_num_threads() - 1) /
-                                                 at::get_num_threads());
-  hyloop::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+  hyloop::parallel_chunks(tiles, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kTile, nt = std::min(kTile, N - n0);
       for (int64_t m = 0; m < M; m += 4) {
