@@ -22,8 +22,9 @@ tokens, batch 1 and 16; columns fp32 and bf16):
 
 ``--load`` measures instead batch-1 decode quiet and beside a busy process (a Python busy loop,
 ``--pin``: on CPU 0), for libgomp's default spinning waits and for hyloop's passive policy
-(``hyloop/omp_policy.py``), eager and compiled. Every run is its own process (the OpenMP policy is
-read when torch loads), started one after another; the table names the CPU.
+(``hyloop/omp_policy.py``), eager and compiled. Every configuration runs in its own process (the
+OpenMP policy is read when torch loads), started one after another, hyloop's backends side by
+side in one process with their waves interleaved; the table names the CPU.
 
     python bench/peers.py [--load] [--quick] [--json PATH]
 """
@@ -53,12 +54,14 @@ DEFAULT_SPIN = "300000"  # libgomp's own default, set explicitly so hyloop keeps
 
 
 def child(spec: dict[str, Any]) -> dict[str, Any]:
-    """One engine on one configuration, in this (fresh) process."""
+    """One engine on one configuration, in this (fresh) process; hyloop's backends side by side
+    in it (``spec["backends"]``), their waves interleaved, so that the machine's drift between
+    processes (memory bandwidth here moves by tens of percent) does not split them."""
     importlib.import_module("hyloop")  # first: its OpenMP wait policy is set before torch loads
     import torch
 
     sys.path.insert(0, str(BENCH))
-    from decode_throughput import load_hf, run_hf, run_hyloop
+    from decode_throughput import load_hf, run_hf
 
     from hyloop import LLM
     from hyloop.omp_policy import status
@@ -72,21 +75,57 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         for b in batches:
             out[f"b{b}"] = run_hf(hf, prompts[b], n)["decode_tok_s"]
         return out
-    overrides = [
-        f"dtype={spec['dtype']}",
-        f"model.weights={spec.get('weights', 'dequantize')}",
-        f"graphs.backend={spec.get('backend', 'eager')}",
-        f"graphs.buckets=[{','.join(map(str, batches))}]",
-        f"model.max_context={plen + n + 16}",
-        "kv_pool.page_size=16",
-        f"scheduler.max_running_requests={max(batches)}",
-        "cache.enable=false",
-    ]
-    with LLM(model=spec["model"], overrides=overrides) as llm:
-        out["linears"] = dict(llm.engine.derived.quantized_linears)
-        for b in batches:
-            out[f"b{b}"] = run_hyloop(llm, prompts[b], n, waves=spec["waves"])["decode_tok_s"]
+
+    def overrides(backend: str) -> list[str]:
+        return [
+            f"dtype={spec['dtype']}",
+            f"model.weights={spec.get('weights', 'dequantize')}",
+            f"graphs.backend={backend}",
+            f"graphs.buckets=[{','.join(map(str, batches))}]",
+            f"model.max_context={plen + n + 16}",
+            "kv_pool.page_size=16",
+            f"scheduler.max_running_requests={max(batches)}",
+            "cache.enable=false",
+        ]
+
+    backends = spec.get("backends") or [spec.get("backend", "eager")]
+    llms = {backend: LLM(model=spec["model"], overrides=overrides(backend)) for backend in backends}
+    try:
+        best: dict[str, dict[str, float]] = {backend: {} for backend in backends}
+        for backend, llm in llms.items():
+            out[backend] = {
+                "linears": dict(llm.engine.derived.quantized_linears),
+                "cpu": llm.engine.kind.kernels.summary() if llm.engine.kind.kernels else None,
+            }
+            for b in batches:
+                hyloop_wave(llm, prompts[b], 4)  # warm-up: captures, first-call allocations
+        for _ in range(spec["waves"]):
+            for backend, llm in llms.items():
+                for b in batches:
+                    rate = hyloop_wave(llm, prompts[b], n)
+                    best[backend][f"b{b}"] = max(best[backend].get(f"b{b}", 0.0), rate)
+        for backend in backends:
+            out[backend].update(best[backend])
+    finally:
+        for llm in llms.values():
+            llm.close()
     return out
+
+
+def hyloop_wave(llm: Any, prompts: list[list[int]], n: int) -> float:
+    """One wave of ``n`` greedy tokens per prompt: decode tok/s by the engine's counters."""
+    import gc
+
+    from hyloop import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    gc.collect()  # earlier garbage is no cost of this wave
+    s0 = dict(llm.stats())
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    s1 = llm.stats()
+    if any(len(o.outputs[0].token_ids) != n for o in outs):
+        raise RuntimeError(f"hyloop produced {[len(o.outputs[0].token_ids) for o in outs]} tokens")
+    return (s1["decode_tokens"] - s0["decode_tokens"]) / (s1["decode_time"] - s0["decode_time"])
 
 
 def make_prompts(model: str, batch: int, length: int) -> list[list[int]]:
@@ -219,12 +258,13 @@ def peers_table(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
         rows.append({"engine": label, **cells})
         print_peer_row(rows[-1], args)
 
-    for backend in args.backends:
-        for weights, name in (("dequantize", ""), ("auto", ", GGUF as shipped")):
-            cells = {}
-            for dtype in args.dtypes if weights == "dequantize" else ["float32"]:
-                spec = {**common, "engine": "hyloop", "backend": backend, "dtype": dtype}
-                cells[dtype] = run_child({**spec, "weights": weights})
+    for weights, name in (("dequantize", ""), ("auto", ", GGUF as shipped")):
+        results = {}
+        for dtype in args.dtypes if weights == "dequantize" else ["float32"]:
+            spec = {**common, "engine": "hyloop", "backends": args.backends, "dtype": dtype}
+            results[dtype] = run_child({**spec, "weights": weights})
+        for backend in args.backends:
+            cells = {d: r.get(backend, r) for d, r in results.items()}  # (an error: every row)
             add(f"hyloop {backend}{name}", cells)
     if not args.skip_hf:
         add(
@@ -262,17 +302,19 @@ def load_table(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
         if args.passive_only and env:
             continue
         for weights in args.load_weights:
+            spec = {**common, "backends": args.backends, "weights": weights}
+            quiet = run_child(spec, env)
+            busy = subprocess.Popen([sys.executable, "-c", BUSY, "1" if args.pin else "0"])
+            try:
+                time.sleep(1.0)
+                loaded = run_child(spec, env)
+            finally:
+                busy.kill()
+                busy.wait()
             for backend in args.backends:
-                spec = {**common, "backend": backend, "weights": weights}
                 row = {"policy": policy, "backend": backend, "weights": weights}
-                row["quiet"] = run_child(spec, env)
-                busy = subprocess.Popen([sys.executable, "-c", BUSY, "1" if args.pin else "0"])
-                try:
-                    time.sleep(1.0)
-                    row["busy"] = run_child(spec, env)
-                finally:
-                    busy.kill()
-                    busy.wait()
+                row["quiet"] = quiet.get(backend, quiet)
+                row["busy"] = loaded.get(backend, loaded)
                 rows.append(row)
                 print_load_row(row)
     return rows

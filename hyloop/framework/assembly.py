@@ -117,6 +117,7 @@ def build_engine(cfg: EngineConfig, loaded: LoadedModel | None = None) -> Engine
             rows=buckets,
             compiled=cfg.graphs.backend == "compile",
             native=cfg.model.cpu_ops,
+            stack=cfg.model.cpu_stack,
         )
     max_context = cfg.model.max_context or min(contract.max_positions, DEFAULT_MAX_CONTEXT)
     if max_context > contract.max_positions:
@@ -161,7 +162,9 @@ def build_engine(cfg: EngineConfig, loaded: LoadedModel | None = None) -> Engine
 
     # -- step kind and graphs -------------------------------------------------------------------
     compiled = backend == "compile" or cfg.graphs.compile_in_graph
-    eager_path, captured_path = compute_paths(device, cpu is not None and cpu.native, compiled)
+    native = cpu is not None and cpu.native
+    stack = cpu.stack if cpu is not None else None
+    eager_path, captured_path = compute_paths(device, native, compiled, stack)
     pools = StepPools(req_to_token.table, kv, recurrent, compute=eager_path)
     kind_cls = step_kind_for(contract)
     kind = kind_cls(model, pools, captured_path, contract.vocab_size, max_context, cpu)

@@ -64,6 +64,14 @@ class ModelSection(_Section):
         "auto uses them when built and otherwise builds them in the background for later "
         "runs; false: plain torch ops",
     )
+    cpu_stack: Literal["auto"] | bool = Field(
+        "auto",
+        description="CPU decode steps of a dense Llama / Qwen2 / Qwen3 model run every layer "
+        "in one C++ call (hyloop's panel GEMMs on one team of threads; needs cpu_ops): auto "
+        "where the CPU has AVX-512 (its kernels are vectorised for it), at the row counts "
+        "where a step was measured faster so than layer by layer (cpu_kernels=measure); true "
+        "wherever the model allows; false layer by layer",
+    )
     weights: Literal["auto", "dequantize", "int8", "int4"] = Field(
         "auto",
         description="Linear weights: auto (a GGUF's quantized tensors stay quantized where CPU "

@@ -22,14 +22,24 @@ pytestmark = [
     pytest.mark.skipif(not kernels_available(torch.device("cpu")), reason="no int4/int8 kernels"),
 ]
 
+# Long enough that the perplexity is a measurement: with 8-bit activations (hyloop's kernels,
+# as llama.cpp's) a last-digit difference upstream can flip a code, and over ~60 tokens that
+# alone moved it by 3%.
 TEXT = (
     "The lighthouse keeper kept two logs. The first recorded what the rules asked for: the hour "
     "the lamp was lit, the oil it burned, the ships that passed and the state of the sea. The "
-    "second was his own, and in it he wrote down what the first had no column for."
+    "second was his own, and in it he wrote down what the first had no column for. He noted the "
+    "gulls that came back each spring to the same ledge below the gallery, the fishermen who "
+    "waved and the ones who did not, and the winter storm that broke three panes of the lantern "
+    "room while he held a tarpaulin against the wind until dawn. When the inspector came in "
+    "the autumn he read only the first log, signed it, and praised the keeper for his tidy "
+    "hand. Years later, after the light was automated and the keeper had moved to a cottage in "
+    "the village, his daughter found the second log in a trunk. She read it in one evening, "
+    "and the next morning she walked out along the breakwater to look at the tower again."
 )
 OVERRIDES = [
     "graphs.backend=eager",
-    "model.max_context=256",
+    "model.max_context=512",
     "kv_pool.page_size=16",
     "kv_pool.num_pages=32",
 ]

@@ -42,6 +42,9 @@ class DecoderLM(nn.Module):
         if batch.blend is not None:  # a prefill over reused KV (``contract.selective_recompute``)
             return blend_forward(self.model, batch)
         x = self.model.embed_tokens(batch.input_ids)
+        stack = getattr(batch.pools.compute, "stack", None) if batch.is_decode else None
+        if stack is not None and stack.runs(x.shape[0]):  # every layer in one call
+            return stack(x, batch)
         for layer in self.model.layers:
             x = layer(x, batch)
         return x

@@ -12,8 +12,10 @@ from torch import nn
 
 from hyloop import omp_policy
 from hyloop.models.cpu import cpu_ops
+from hyloop.models.cpu.decoder_stack import DecoderStack, stack_refusal
 from hyloop.models.cpu.kernel_choice import calibrate, calibrate_quantized, shape_key
 from hyloop.models.cpu.packed_linear import PackedLinear, pack_linears, packing_available
+from hyloop.models.cpu.stack_choice import choose_stack_rows
 from hyloop.models.quant.linear import WeightOnlyLinear
 
 log = logging.getLogger(__name__)
@@ -34,6 +36,7 @@ class CpuKernels:
         rows: list[int],
         compiled: bool,
         native: Literal["auto"] | bool,
+        stack: Literal["auto"] | bool = False,
     ) -> None:
         self.layers: list[PackedLinear] = []
         self.table: Any = None
@@ -53,8 +56,23 @@ class CpuKernels:
         if self.native:
             cpu_ops.register_packed(model)
         self.quantized = [m for m in model.modules() if isinstance(m, WeightOnlyLinear)]
+        if self.native:
+            for layer in self.quantized:
+                layer.attach_panels()
         if self.native and measure and self.quantized:
             self.table = calibrate_quantized(self.quantized, [1, *rows], table=self.table)
+        self.stack: DecoderStack | None = None
+        why = stack_refusal(model) if self.native else "hyloop's CPU kernels are not loaded"
+        if stack is True and why is not None:
+            raise ValueError(f"model.cpu_stack=true: {why}")
+        vectorised = torch.backends.cpu.get_cpu_capability() == "AVX512"
+        if why is None and (stack is True or (stack == "auto" and vectorised)):
+            self.stack = DecoderStack(model)
+            if stack == "auto" and measure:
+                # Kept only at the row counts where it was measured faster than the layers.
+                self.stack.choice = choose_stack_rows(model, self.stack, [1, *rows], self.table)
+                if not any(self.stack.choice.values()):
+                    self.stack = None
 
     @property
     def measured(self) -> bool:
@@ -76,6 +94,7 @@ class CpuKernels:
             "measure_s": round(self.table.measure_s, 2),
             "choices": chosen,
             "openmp": self.openmp,
+            "stack": None if self.stack is None else self.stack.describe(),
         }
 
 
@@ -93,4 +112,4 @@ def _warn_spinning_waits(status: str) -> None:
     )
 
 
-__all__ = ["CpuKernels", "cpu_ops"]
+__all__ = ["CpuKernels", "DecoderStack", "cpu_ops"]

@@ -1,7 +1,7 @@
 // hyloop's CPU kernels, built and loaded by cpu_ops.py (whose docstring gives each op's contract).
 //
 // decode_attention reads pool rows in place through the slot table, visible columns only, with
-// fp32 math for every pool dtype. topk_rows inserts into a k-long sorted run: for a sampler's
+// fp32 math for every pool dtype (attend.h, shared with the decoder stack). topk_rows inserts into a k-long sorted run: for a sampler's
 // few candidates far cheaper than aten's topk inside a decode step. packed_linear_native finds
 // its packed weight by handle (register_packed / unregister_packed) and calls oneDNN through the
 // dispatcher, so a compiled step's C++ wrapper reaches it with no Python in between.
@@ -12,6 +12,7 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 
+#include "attend.h"
 #include "cpu_pool.h"
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
@@ -30,88 +31,29 @@
 
 namespace {
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  constexpr int kLanes = 16;  // independent partial sums: the compiler vectorizes these
-  float acc[kLanes] = {0};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int j = 0; j < kLanes; ++j) acc[j] += a[i + j] * b[i + j];
-  }
-  // A pairwise tree: a serial chain of kLanes dependent adds would rival the dot itself.
-  for (int w = kLanes / 2; w > 0; w /= 2) {
-    for (int j = 0; j < w; ++j) acc[j] += acc[j + w];
-  }
-  float s = acc[0];
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
-template <typename T>
-inline void to_float(const T* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
 template <typename T>
 void attend(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
             const at::Tensor& slots, const at::Tensor& bias, double scale, at::Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t Hkv = k_buf.size(1), L = slots.size(1), G = Hq / Hkv;
-  const int64_t k_row = k_buf.stride(0), v_row = v_buf.stride(0);
   const T* qp = q.const_data_ptr<T>();
   const T* kp = k_buf.const_data_ptr<T>();
   const T* vp = v_buf.const_data_ptr<T>();
   const int64_t* sp = slots.const_data_ptr<int64_t>();
   const float* bp = bias.const_data_ptr<float>();
   T* op = out.mutable_data_ptr<T>();
-  const float sc = static_cast<float>(scale);
-  const float ninf = -std::numeric_limits<float>::infinity();
   // One task per (sequence, kv head): its G query heads share every K and V row read.
   hyloop::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), row(D), scores(G * L), acc(G * D), mx(G), sum(G);
-    std::vector<int64_t> cols(L);
+    std::vector<float> qf(G * D), acc(G * D), scratch(G * (L + 1));
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b = t / Hkv, h = t % Hkv;
-      const int64_t* srow = sp + b * L;
-      const float* brow = bp + b * L;
-      int64_t n = 0;
-      for (int64_t l = 0; l < L; ++l) {
-        if (brow[l] != ninf) cols[n++] = l;
-      }
-      to_float(qp + (b * Hq + h * G) * D, qf.data(), G * D);
-      std::fill(mx.begin(), mx.end(), ninf);
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t l = cols[j];
-        to_float(kp + srow[l] * k_row + h * D, row.data(), D);
-        for (int64_t g = 0; g < G; ++g) {
-          const float s = dot(qf.data() + g * D, row.data(), D) * sc + brow[l];
-          scores[g * L + j] = s;
-          mx[g] = std::max(mx[g], s);
-        }
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * L;
-        const float m = mx[g];
-        float s = 0.f;
-        for (int64_t j = 0; j < n; ++j) {
-          sg[j] = std::exp(sg[j] - m);
-          s += sg[j];
-        }
-        sum[g] = s;
-      }
-      for (int64_t j = 0; j < n; ++j) {
-        to_float(vp + srow[cols[j]] * v_row + h * D, row.data(), D);
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * L + j];
-          float* a = acc.data() + g * D;
-          for (int64_t i = 0; i < D; ++i) a[i] += p * row[i];
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        const float inv = 1.f / sum[g];
-        T* o = op + (b * Hq + h * G + g) * D;
-        for (int64_t i = 0; i < D; ++i) o[i] = static_cast<T>(acc[g * D + i] * inv);
-      }
+      const T* qh = qp + (b * Hq + h * G) * D;
+      for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(qh[i]);
+      hyloop::attend::group(qf.data(), G, D, kp, k_buf.stride(0), vp, v_buf.stride(0), h,
+                            sp + b * L, bp + b * L, L, static_cast<float>(scale), scratch.data(),
+                            acc.data());
+      T* o = op + (b * Hq + h * G) * D;
+      for (int64_t i = 0; i < G * D; ++i) o[i] = static_cast<T>(acc[i]);
     }
   });
 }

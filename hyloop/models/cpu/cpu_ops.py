@@ -9,20 +9,23 @@
   descending, ties to the lower index (a sampler's few candidates).
 - ``hyloop::packed_linear_native(x, handle)``: ``PackedLinear``'s GEMM with no Python kernel, for
   a compiled step's C++ wrapper to call directly; ``register_packed`` hands it the weights.
-- ``hyloop::small_gemm(x [.., K], weight [N, K] fp32 | bf16, bias?) -> [.., N]`` (``cpu_gemm.cpp``):
-  a few rows times a dense weight, each weight tile read once for every row, bfloat16 converted
-  in registers, float32 math, output in ``x``'s dtype (the ``tiled`` kernel of a
-  ``PackedLinear``);
-- ``hyloop::int4_gemm(x, nibbles [N, K / 2] uint8, scale, mins [N, K / 32] fp32, bias?)`` and
-  ``hyloop::int8_gemm(x, codes [N, K] int8, scale [N] fp32, bias?)``: the weight-only layers'
-  ``tiled`` kernels (``quant.linear``); with AVX2 the activations are quantized to int8 per group
-  of 32 and each group's dot product is integer (``maddubs`` / ``madd``).
+- ``hyloop::pack_panels(weight [N, K] fp32 | bf16, split)``, ``pack_panels_i4(codes [N, K]
+  uint8, scale, mins [N, K / 32] fp32, split, half)``, ``pack_panels_i8(codes [N, K] int8,
+  scale [N, K / 32] fp32, split)`` -> uint8 panels (``cpu_panels.cpp``, layouts in
+  ``panels.h``; large ones on huge pages), and ``hyloop::panel_linear(x [.., K], panels, kind,
+  n, k, split, half, bias?) -> [.., N]`` in ``x``'s dtype: the ``tiled`` kernel of every
+  ``PackedLinear`` and weight-only Linear (``panels.Panels``);
+- ``hyloop::decode_layers(x [B, H], handle, k_bufs!, v_bufs!, loc [B], slots [B, L],
+  bias [B, L], cos, sin [B, rot]) -> [B, H]`` (``cpu_decoder.cpp``): every decoder layer of a
+  dense model for one new token per row, registered once with ``stack_create`` /
+  ``stack_add_layer`` (``decoder_stack.DecoderStack``), writing each layer's K/V at ``loc``.
 
-All of them split their work over hyloop's own thread pool (``cpu_pool.cpp``), not OpenMP's
-regions: its workers spin between a step's kernels while the machine is quiet (no halted vCPU to
-wake per kernel) and hand the work to OpenMP's sleeping threads while other processes want the
-cores; ``HYLOOP_CPU_POOL=0`` always takes OpenMP. ``hyloop::pool_cover(n, grain)`` is its test
-probe (visits per index, then the threads that ran a chunk).
+The GEMMs and attention split their work over hyloop's own thread pool (``cpu_pool.cpp``), not
+OpenMP's regions: its workers spin between a step's kernels while the machine is quiet (no
+halted vCPU to wake per kernel), the decoder stack runs as one team whose phases meet at
+barriers, and while other processes want the cores a job takes fewer threads (the stack: as many
+as there are free cores) or OpenMP's sleeping ones; ``HYLOOP_CPU_POOL=0`` always takes OpenMP
+(and runs a team on one thread). ``hyloop::pool_cover(n, grain)`` is its test probe.
 
 ``layers.attention.NativePath`` is the compute path over the first two; ``bench/tts_frames.py``
 and ``bench/decode_step.py`` measure what each saves.
@@ -56,9 +59,13 @@ from hyloop.models.cpu.kernel_choice import cache_dir, cpu_description
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(
-    Path(__file__).with_name(name) for name in ("cpu_ops.cpp", "cpu_gemm.cpp", "cpu_pool.cpp")
+    Path(__file__).with_name(name)
+    for name in ("cpu_ops.cpp", "cpu_pool.cpp", "cpu_panels.cpp", "cpu_decoder.cpp")
 )
-HEADERS = (Path(__file__).with_name("cpu_pool.h"),)  # part of the library's key, not compiled
+# Part of the library's key, not compiled on their own.
+HEADERS = tuple(
+    Path(__file__).with_name(n) for n in ("attend.h", "cpu_pool.h", "panels.h", "panel_rows.h")
+)
 
 _LIB = torch.library.Library("hyloop", "FRAGMENT")
 _LIB.define(
@@ -83,26 +90,31 @@ def _topk_rows_fake(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     return x.new_empty((x.shape[0], k)), x.new_empty((x.shape[0], k), dtype=torch.long)
 
 
-def _small_gemm_fake(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
-def _int4_gemm_fake(
+def _panel_linear_fake(
     x: torch.Tensor,
-    codes: torch.Tensor,
-    scale: torch.Tensor,
-    mins: torch.Tensor,
+    panels: torch.Tensor,
+    kind: int,
+    n: int,
+    k: int,
+    split: int,
+    half: bool,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], codes.shape[0]))
+    return x.new_empty((*x.shape[:-1], n))
 
 
-def _int8_gemm_fake(
-    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+def _decode_layers_fake(
+    x: torch.Tensor,
+    handle: int,
+    k_bufs: list[torch.Tensor],
+    v_bufs: list[torch.Tensor],
+    loc: torch.Tensor,
+    slots: torch.Tensor,
+    bias: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
 ) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], codes.shape[0]))
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 _lock = threading.Lock()
@@ -192,9 +204,8 @@ def _load(build: bool) -> bool:
         # Same output as the Python-kernel hyloop::packed_linear.
         torch.library.register_fake("hyloop::packed_linear_native", _packed_linear_fake)
         torch.library.register_fake("hyloop::topk_rows", _topk_rows_fake)
-        torch.library.register_fake("hyloop::small_gemm", _small_gemm_fake)
-        torch.library.register_fake("hyloop::int4_gemm", _int4_gemm_fake)
-        torch.library.register_fake("hyloop::int8_gemm", _int8_gemm_fake)
+        torch.library.register_fake("hyloop::panel_linear", _panel_linear_fake)
+        torch.library.register_fake("hyloop::decode_layers", _decode_layers_fake)
     except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", None) or str(e)
         log.warning("hyloop CPU kernels unavailable (%s); plain PyTorch paths", detail[-2000:])

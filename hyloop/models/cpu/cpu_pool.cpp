@@ -1,4 +1,4 @@
-// hyloop's thread pool for its own CPU kernels (the GEMMs of cpu_gemm.cpp, decode attention).
+// hyloop's thread pool for its own CPU kernels (the panel GEMMs, decode attention, the decoder stack).
 //
 // A decode step calls a few hundred short kernels (tens of microseconds each at batch 1). Under
 // OpenMP each is a parallel region, and libgomp fixes when it loads how its helper threads wait
@@ -12,9 +12,9 @@
 // (sampled from /proc/stat at most every kSample):
 // - quiet (the other processes leave at least our thread count of cores free): on its own
 //   workers, which spin between jobs and call sched_yield every few dozen pauses. On an idle core
-//   the yield returns at once and the next job starts within microseconds; when it takes long,
-//   another thread wanted the core (this process's own host thread, say), and the worker sleeps
-//   on a futex. A worker idle for kIdle sleeps too: an idle engine burns no core.
+//   the yield returns at once and the next job starts within microseconds; when yields keep
+//   taking long, another thread wants the core (this process's own host thread, say), and the
+//   worker sleeps on a futex. A worker idle for kIdle sleeps too: an idle engine burns no core.
 // - contended: through at::parallel_for, i.e. OpenMP under the passive policy, whose futex
 //   wake-ups are what a shared core serves best.
 // HYLOOP_CPU_POOL=0 makes every job take the OpenMP path.
@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -54,7 +55,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr auto kIdle = std::chrono::milliseconds(2);         // spin this long with no job, then sleep
-constexpr auto kYieldTaken = std::chrono::microseconds(20);  // a yield this long: the core is wanted
+constexpr auto kYieldTaken = std::chrono::microseconds(20);  // a yield this long: the core was wanted
+constexpr auto kTakenBudget = std::chrono::microseconds(200);  // ... for this long in one wait: sleep
 constexpr auto kSample = std::chrono::milliseconds(100);     // machine load sampling period
 constexpr int kPausesPerYield = 64;
 
@@ -90,39 +92,47 @@ CpuTimes read_cpu_times() {
 class LoadMonitor {
  public:
   // Whether other processes now use the cores our `threads` need (re-sampled every kSample).
-  bool contended(int threads) {
+  bool contended(int threads) { return free_cores() < threads; }
+
+  // The cores other processes leave us, whole (re-sampled every kSample): a core counts as
+  // taken once others use more than 0.3 of it.
+  int free_cores() {
     const auto now = Clock::now();
     const Clock::time_point last{Clock::duration(last_.load(std::memory_order_relaxed))};
-    if (now - last < kSample) return contended_.load(std::memory_order_relaxed);
+    if (now - last < kSample) return free_.load(std::memory_order_relaxed);
     std::unique_lock<std::mutex> lock(m_, std::try_to_lock);
-    if (!lock.owns_lock()) return contended_.load(std::memory_order_relaxed);
+    if (!lock.owns_lock()) return free_.load(std::memory_order_relaxed);
     const CpuTimes t = read_cpu_times();
     const double wall = std::chrono::duration<double>(now - last).count();
     if (t.ok && prev_.ok && wall > 0.0) {
       const double others = std::max(0.0, (t.busy_s - prev_.busy_s) - (t.ours_s - prev_.ours_s));
-      const double free_cores = static_cast<double>(cpus_) - threads;
-      contended_.store(others / wall > free_cores + 0.3, std::memory_order_relaxed);
+      const int taken = static_cast<int>(std::ceil(others / wall - 0.3));
+      free_.store(std::max(0, cpus_ - std::max(0, taken)), std::memory_order_relaxed);
     }
     prev_ = t;
     last_.store(now.time_since_epoch().count(), std::memory_order_relaxed);
-    return contended_.load(std::memory_order_relaxed);
+    return free_.load(std::memory_order_relaxed);
   }
 
  private:
   std::mutex m_;
   std::atomic<Clock::rep> last_{0};  // when prev_ was read
   CpuTimes prev_{};
-  std::atomic<bool> contended_{false};
   const int cpus_ = static_cast<int>(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN)));
+  std::atomic<int> free_{cpus_};
 };
 
 // ------------------------------------------------------------------ the workers
 
 // Waits until `flag` differs from `seen`: spin and yield while the core is ours, sleep on the
-// futex once a yield shows another thread wants it or the wait has lasted `idle`.
+// futex once yields show another thread wants it (other threads held the core for kTakenBudget
+// of this wait, in yields of over kYieldTaken each) or the wait has lasted `idle`. A single slow
+// yield is no evidence: on a virtual machine one now and then takes tens of microseconds with
+// no other thread about, and the sleep it led to cost a wake-up of milliseconds.
 template <typename T>
 void wait_while(const std::atomic<T>& flag, T seen, Clock::duration idle) {
   const auto start = Clock::now();
+  Clock::duration taken{0};
   for (;;) {
     for (int i = 0; i < kPausesPerYield; ++i) {
       if (flag.load(std::memory_order_acquire) != seen) return;
@@ -131,7 +141,8 @@ void wait_while(const std::atomic<T>& flag, T seen, Clock::duration idle) {
     const auto t0 = Clock::now();
     sched_yield();
     const auto t1 = Clock::now();
-    if (t1 - t0 > kYieldTaken || t1 - start > idle) break;
+    if (t1 - t0 > kYieldTaken) taken += t1 - t0;
+    if (taken > kTakenBudget || t1 - start > idle) break;
   }
   while (flag.load(std::memory_order_acquire) == seen) flag.wait(seen, std::memory_order_acquire);
 }
@@ -248,6 +259,49 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain,
   if (!lock.owns_lock()) return fn(begin, end);  // another thread has the pool: run here
   const int64_t chunk = (range + chunks - 1) / chunks;
   p.run(begin, end, chunk, static_cast<int>((range + chunk - 1) / chunk), fn);
+}
+
+void Team::sync() {
+  if (size_ <= 1) return;
+  const int phase = phase_.load(std::memory_order_acquire);
+  if (arrived_.fetch_add(1, std::memory_order_acq_rel) == size_ - 1) {
+    arrived_.store(0, std::memory_order_relaxed);
+    phase_.fetch_add(1, std::memory_order_release);
+    phase_.notify_all();  // a syscall only when a member sleeps
+  } else {
+    wait_while(phase_, phase, kIdle);
+  }
+}
+
+int team_size() {
+  const int threads = in_pool_job ? 1 : std::max(1, at::get_num_threads());
+  if (threads <= 1 || !pool_enabled()) return 1;
+  return std::clamp(the_pool().load.free_cores(), 1, threads);
+}
+
+void run_team(int threads, const std::function<void(int, Team&)>& fn) {
+  if (threads > 1 && !in_pool_job) {
+    Pool& p = the_pool();
+    std::unique_lock<std::mutex> lock(p.use, std::try_to_lock);
+    if (lock.owns_lock()) {  // else another thread has the pool: this job runs alone
+      Team team(threads);
+      const std::function<void(int64_t, int64_t)> member = [&](int64_t rank, int64_t) {
+        fn(static_cast<int>(rank), team);
+      };
+      p.run(0, threads, 1, threads, member);
+      return;
+    }
+  }
+  Team alone(1);
+  const bool nested = in_pool_job;
+  in_pool_job = true;  // its kernels never start jobs of their own
+  try {
+    fn(0, alone);
+  } catch (...) {
+    in_pool_job = nested;
+    throw;
+  }
+  in_pool_job = nested;
 }
 
 }  // namespace hyloop

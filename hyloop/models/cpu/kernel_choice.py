@@ -8,8 +8,8 @@ at every row count its steps will run (the batch buckets, a prefill chunk) and t
 - ``packed``: oneDNN on a weight packed once (its bf16 path uses AMX where the CPU has it);
 - ``gemv``: one row as a multiply-reduce that inductor makes one vectorised, threaded kernel
   (one row, compiled steps only: eager would materialise the products);
-- ``tiled``: hyloop's few-row GEMM (``cpu_gemm.cpp``, where the CPU kernels are loaded): each
-  weight tile read once for every row, bfloat16 weights converted in registers.
+- ``tiled``: hyloop's panel GEMM (``panels.h``, where the CPU kernels are loaded): outer-product
+  tiles over the weight packed in 16-column panels.
 
 Only the candidates that exist here are timed: no ``packed`` where oneDNN cannot pack the dtype
 (bfloat16 without AVX-512-BF16 or AMX), no ``tiled`` without the CPU kernels.
@@ -40,11 +40,13 @@ import torch
 import torch.nn.functional as F
 
 from hyloop.models.cpu.packed_linear import packing_available
+from hyloop.models.cpu.panels import Panels
 
 log = logging.getLogger(__name__)
 
 KERNELS = ("linear", "packed", "gemv", "tiled")
 QUANT_KERNELS = ("aten", "tiled")  # a weight-only int4 / int8 Linear: torch's or hyloop's
+STACK_KERNELS = ("stack", "layers")  # a decode step's layers as one call or one by one
 
 
 # In a compiled step the GEMV fuses with its neighbours (norm before, activation after) and costs
@@ -160,7 +162,11 @@ class KernelTable:
                 return table
             for shape, by_rows in data["entries"].items():
                 table.entries[shape] = {
-                    int(r): {k: float(v) for k, v in us.items() if k in (*KERNELS, *QUANT_KERNELS)}
+                    int(r): {
+                        k: float(v)
+                        for k, v in us.items()
+                        if k in (*KERNELS, *QUANT_KERNELS, *STACK_KERNELS)
+                    }
                     for r, us in by_rows.items()
                 }
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -218,11 +224,16 @@ def last_level_cache_bytes() -> int:
 def kernels_here(weight: torch.Tensor, tiled: bool) -> set[str]:
     """The kernels a Linear with this weight can run here (``tiled``: the CPU kernels are loaded
     for this engine)."""
-    here = {"linear", "gemv"}
+    here = {"linear"}
     if packing_available(weight.device, weight.dtype):
         here.add("packed")
     if tiled and weight.device.type == "cpu":
         here.add("tiled")
+    else:
+        # With the CPU kernels loaded a compiled step runs inductor's own kernels on one thread
+        # (``cpu_ops.compile_options``): its GEMV would too, and the panel GEMM reads a row's
+        # weights as fast.
+        here.add("gemv")
     return here
 
 
@@ -245,7 +256,7 @@ class LinearCandidates:
             if packing_available(weight.device, weight.dtype)
             else []
         )
-        self.tiled = tiled
+        self.panels = [Panels.dense(w) for w in self.weights] if tiled else []
         self.bias = bias
         self._gemv: Callable[..., torch.Tensor] | None = None
 
@@ -263,8 +274,9 @@ class LinearCandidates:
             candidates["packed"] = lambda: torch.ops.mkldnn._linear_pointwise(
                 x, nth("packed", packed), bias, "none", [], ""
             )
-        if self.tiled:
-            candidates["tiled"] = lambda: torch.ops.hyloop.small_gemm(x, nth("tiled", ws), bias)
+        if self.panels:
+            panels = self.panels
+            candidates["tiled"] = lambda: panels[next(turn["tiled"]) % len(panels)].linear(x, bias)
         if with_gemv and x.shape[0] == 1:
             if self._gemv is None:
                 # A code object of its own per shape: Dynamo caches compiled code per code
@@ -330,7 +342,8 @@ def calibrate(
 
 
 def _quantized_candidates(copies: list[Any], x: torch.Tensor) -> dict[str, Callable[[], object]]:
-    """A weight-only layer's two kernels, each call on the next of ``copies``."""
+    """A weight-only layer's kernels (hyloop's only where it has panels), each call on the
+    next of ``copies``."""
     turn = itertools.count()
 
     def aten() -> object:
@@ -340,7 +353,7 @@ def _quantized_candidates(copies: list[Any], x: torch.Tensor) -> dict[str, Calla
     def tiled() -> object:
         return copies[next(turn) % len(copies)].tiled(x)
 
-    return {"aten": aten, "tiled": tiled}
+    return {"aten": aten, "tiled": tiled} if copies[0].panels is not None else {"aten": aten}
 
 
 def calibrate_quantized(
@@ -365,7 +378,8 @@ def calibrate_quantized(
             copies: list[Any] = []
             for r in sorted(set(rows)):
                 known = by_rows.get(r, {})
-                if all(k in known for k in QUANT_KERNELS):
+                wanted = QUANT_KERNELS if layer.panels is not None else ("aten",)
+                if all(k in known for k in wanted):
                     continue
                 if not copies:
                     size = sum(b.numel() * b.element_size() for b in layer.buffers())
@@ -384,14 +398,17 @@ def calibrate_quantized(
         except OSError as e:
             log.warning("hyloop: could not keep kernel choices in %s: %s", table.path, e)
     for layer in layers:
-        layer.set_kernels(_one_for_all_rows(table.entries.get(layer.shape_key, {})))
+        kernels = QUANT_KERNELS if layer.panels is not None else ("aten",)
+        layer.set_kernels(_one_for_all_rows(table.entries.get(layer.shape_key, {}), kernels))
     return table
 
 
-def _one_for_all_rows(by_rows: Mapping[int, Mapping[str, float]]) -> dict[int, str]:
+def _one_for_all_rows(
+    by_rows: Mapping[int, Mapping[str, float]], kernels: Iterable[str] = QUANT_KERNELS
+) -> dict[int, str]:
     """A weight-only layer's single kernel (``WeightOnlyLinear.set_kernels``): the one whose
     measured row counts take the least time together."""
-    total = {k: sum(us.get(k, float("inf")) for us in by_rows.values()) for k in QUANT_KERNELS}
+    total = {k: sum(us.get(k, float("inf")) for us in by_rows.values()) for k in kernels}
     if not by_rows:
         return {}
     best = fastest(total)

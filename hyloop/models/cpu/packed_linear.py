@@ -1,12 +1,12 @@
-"""Linear layers whose weights are pre-packed for oneDNN on CPU, with hyloop's few-row GEMM beside.
+"""Linear layers whose weights are pre-packed for oneDNN on CPU, with hyloop's panel GEMM beside.
 
 A plain ``F.linear`` re-packs its weight matrix on every call; at decode batch sizes that
 packing, not the arithmetic, dominates (the weights stream from memory once per step anyway),
-so the weights are packed once at load time. Where oneDNN cannot pack the dtype (bfloat16 on a
-CPU without AVX-512-BF16 or AMX, whose ``F.linear`` takes a slow generic path) the layer keeps
-no packed copy and chooses between ``F.linear`` and hyloop's few-row GEMM
-(``cpu_gemm.cpp``: ``hyloop::small_gemm``, the weight read once for every row, bfloat16
-converted to float32 in registers).
+so the weights are packed once at load time. Where hyloop's CPU kernels are loaded the layer
+also holds its weight as panels (``panels.Panels``: ``hyloop::panel_linear``, outer-product
+tiles over 16-column panels, bfloat16 by vdpbf16ps where the CPU has it), the ``tiled`` kernel;
+those panels are what a decoder stack (``decoder_stack``) reads too. Where oneDNN cannot pack the
+dtype (bfloat16 on a CPU without AVX-512-BF16 or AMX) the layer keeps no oneDNN copy.
 
 A ``PackedLinear`` runs as one operator, ``hyloop::linear``, whose two forms are the two
 kernels measured fastest on this machine (``kernel_choice``) for the row count at hand: its CPU
@@ -28,6 +28,8 @@ from torch import nn
 from torch._decomp import register_decomposition
 from torch._inductor.decomposition import decompositions as inductor_decompositions
 
+from hyloop.models.cpu.panels import Panels, gate_up_split
+
 _PACKED: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
 _HANDLES = itertools.count(1)
 
@@ -46,7 +48,10 @@ _LIB = torch.library.Library("hyloop", "FRAGMENT")
 _LIB.define("packed_linear(Tensor x, int handle) -> Tensor")
 # ``kernels``: the layer's measured choices, spelled out so that they are part of every traced
 # graph and of the compile caches' keys (an artifact built under other choices is not reused).
-_LIB.define("linear(Tensor x, Tensor weight, Tensor? bias, int handle, str kernels) -> Tensor")
+_LIB.define(
+    "linear(Tensor x, Tensor weight, Tensor? bias, Tensor? panels, int handle, str kernels) "
+    "-> Tensor"
+)
 
 
 def _packed_linear_cpu(x: torch.Tensor, handle: int) -> torch.Tensor:
@@ -54,7 +59,12 @@ def _packed_linear_cpu(x: torch.Tensor, handle: int) -> torch.Tensor:
 
 
 def _linear_cpu(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int, kernels: str
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    panels: torch.Tensor | None,
+    handle: int,
+    kernels: str,
 ) -> torch.Tensor:
     return _PACKED[handle].eager_form(x)
 
@@ -73,16 +83,26 @@ def _packed_linear_fake(x: torch.Tensor, handle: int) -> torch.Tensor:
 
 @torch.library.register_fake("hyloop::linear", lib=_LIB)
 def _linear_fake(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int, kernels: str
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    panels: torch.Tensor | None,
+    handle: int,
+    kernels: str,
 ) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 @register_decomposition(torch.ops.hyloop.linear.default, registry=inductor_decompositions)
 def _linear_compiled(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int, kernels: str
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    panels: torch.Tensor | None,
+    handle: int,
+    kernels: str,
 ) -> torch.Tensor:
-    return _PACKED[handle].compiled_form(x, weight, bias)
+    return _PACKED[handle].compiled_form(x, weight, bias, panels)
 
 
 packed_linear = torch.ops.hyloop.packed_linear.default
@@ -94,12 +114,15 @@ class PackedLinear(nn.Module):
 
     ``kernels`` maps a row count to the kernel measured fastest for it on this machine
     (``kernel_choice``): ``linear``, ``packed`` (absent where oneDNN cannot pack the dtype),
-    ``tiled`` (hyloop's few-row GEMM) or ``gemv`` (compiled steps only); a row count between two
-    measured ones takes the choice of the next measured one above it, and one above every
-    measured count (a prefill chunk) a GEMM built for many rows.
+    ``tiled`` (hyloop's panel GEMM, where its kernels are loaded: ``panels``) or ``gemv``
+    (compiled steps only); a row count between two measured ones takes the choice of the next
+    measured one above it, and one above every measured count (a prefill chunk) a GEMM built
+    for many rows. ``split``: the panels of a fused gate/up projection interleave its halves.
     """
 
-    def __init__(self, linear: nn.Linear, batch_hint: int = 16) -> None:
+    def __init__(
+        self, linear: nn.Linear, batch_hint: int = 16, panels: bool = False, split: int = 0
+    ) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
@@ -112,6 +135,10 @@ class PackedLinear(nn.Module):
             with torch.no_grad():
                 w = self.weight.detach()
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
+        self.panels: Panels | None = None
+        if panels:
+            self.panels = Panels.dense(self.weight, split)
+            self.register_buffer("panel_data", self.panels.data, persistent=False)
         self.handle = next(_HANDLES)
         _PACKED[self.handle] = self
         self.kernels: tuple[tuple[int, str], ...] = ()  # (rows, kernel), rows ascending
@@ -135,25 +162,31 @@ class PackedLinear(nn.Module):
         return "gemv" if rows == 1 and compiled else many
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.handle, self.kernels_key)
+        panels = None if self.panels is None else self.panel_data
+        return linear(x, self.weight, self.bias, panels, self.handle, self.kernels_key)
 
     def eager_form(self, x: torch.Tensor) -> torch.Tensor:
         """``hyloop::linear``'s CPU kernel (eager steps): the GEMV pays only when fused."""
         kernel = self.kernel(x.numel() // self.in_features, compiled=False)
-        if kernel == "tiled":
-            return torch.ops.hyloop.small_gemm(x, self.weight, self.bias)
+        if kernel == "tiled" and self.panels is not None:
+            return self.panels.linear(x, self.bias)
         if kernel == "linear" or self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return self.run_packed(x)
 
     def compiled_form(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        panels: torch.Tensor | None,
     ) -> torch.Tensor:
         """``hyloop::linear`` as inductor lowers it (traced with static shapes)."""
         rows = x.numel() // self.in_features
         kernel = self.kernel(rows, compiled=True)
-        if kernel == "tiled":
-            return torch.ops.hyloop.small_gemm(x, weight, bias)
+        if kernel == "tiled" and panels is not None and self.panels is not None:
+            p = self.panels
+            return torch.ops.hyloop.panel_linear(x, panels, p.kind, p.n, p.k, p.split, p.half, bias)
         if kernel == "linear" or self.packed is None:
             return F.linear(x, weight, bias)
         if kernel == "gemv" and rows == 1:
@@ -178,15 +211,16 @@ MIN_PACKED_WEIGHTS = 1 << 16
 def pack_linears(model: nn.Module, batch_hint: int = 16, tiled: bool = False) -> int:
     """Replace each large ``nn.Linear`` of ``model`` by a ``PackedLinear`` where it has a kernel
     to choose: oneDNN can pack its dtype here, or (``tiled``: the CPU kernels are loaded for this
-    engine) hyloop's few-row GEMM can run it; returns how many."""
+    engine) hyloop's panel GEMM can run it, with its panels; returns how many."""
     count = 0
-    for parent in list(model.modules()):
+    for prefix, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             big = type(child) is nn.Linear and child.weight.numel() >= MIN_PACKED_WEIGHTS
             w = child.weight if big else None
-            if w is not None and (
-                packing_available(w.device, w.dtype) or (tiled and w.device.type == "cpu")
-            ):
-                setattr(parent, name, PackedLinear(child, batch_hint))
+            on_cpu = w is not None and w.device.type == "cpu"
+            panels = tiled and on_cpu and w.dtype in (torch.float32, torch.bfloat16)
+            if w is not None and (packing_available(w.device, w.dtype) or panels):
+                split = gate_up_split(f"{prefix}.{name}", w.shape[0])
+                setattr(parent, name, PackedLinear(child, batch_hint, panels=panels, split=split))
                 count += 1
     return count

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import nn
 
+from hyloop.models.cpu.panels import gate_up_split
 from hyloop.models.quant.formats import (
     INT4_GROUP,
     Int4Groups,
@@ -128,11 +129,12 @@ def quantize_linears(
                 if fmt is None:
                     counts["dense"] += 1
                     continue
-                bias = child.bias
+                bias, split = child.bias, gate_up_split(name, child.out_features)
                 if fmt == "int4":
-                    layer: nn.Module = Int4Linear(_int4_groups(child, parts, sources), bias)
+                    groups = _int4_groups(child, parts, sources)
+                    layer: nn.Module = Int4Linear(groups, bias, split)
                 else:
-                    layer = Int8Linear(int8_from_dense(child.weight), bias)
+                    layer = Int8Linear(int8_from_dense(child.weight), bias, split)
                 setattr(parent, leaf, layer)
                 counts[fmt] += 1
     log.info("hyloop: %s weights=%s: %s", source, mode, dict(counts))

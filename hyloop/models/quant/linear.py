@@ -2,19 +2,20 @@
 
 - ``Int4Linear``: ``aten._weight_int4pack_mm_for_cpu`` over a weight packed once by
   ``aten._convert_weight_to_int4pack_for_cpu`` (groups of 32 along the input, a scale and a zero
-  per group), or hyloop's ``hyloop::int4_gemm`` (``models/cpu/cpu_gemm.cpp``) over the same
-  codes two to a byte;
+  per group), or hyloop's ``hyloop::panel_linear`` over the same codes as int4 panels
+  (``models/cpu/panels.h``: vpdpbusd on 8-bit activations per group of 32);
 - ``Int8Linear``: ``aten._weight_int8pack_mm`` (int8 codes, one scale per output channel), or
-  ``hyloop::int8_gemm`` over the same codes.
+  ``hyloop::panel_linear`` over the same codes as int8 panels.
 
 torch's two kernels are vectorised (AVX2 / AVX-512 on x86, NEON on Arm) for bfloat16
 activations only (float32 ones take a scalar loop several times slower than a dense float32
 GEMM), so on that path activations enter in bfloat16 and the output returns in the model's
-dtype, with float32 accumulation. hyloop's take float32 activations and unpack the codes in
-registers (AVX2 + FMA where the CPU has them). Which one a layer runs at each row count is
-measured on this machine (``models/cpu/kernel_choice.calibrate_quantized``, kernels ``aten`` and
-``tiled``), as for dense Linears; without the CPU kernels it is torch's. All four are plain
-operators with fake kernels, so a compiled step traces them as they are (extern calls).
+dtype, with float32 accumulation. hyloop's quantize the activations to int8 per group of 32
+and take the codes' dot products in integers. Which one a layer runs is measured on this
+machine (``models/cpu/kernel_choice.calibrate_quantized``, kernels ``aten`` and ``tiled``), as
+for dense Linears; without the CPU kernels it is torch's (their panels are made by
+``attach_panels`` once the kernels are loaded). All are plain operators with fake kernels, so a
+compiled step traces them as they are (extern calls).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
-from hyloop.models.quant.formats import Int4Groups, Int8Rows
+from hyloop.models.cpu.panels import Panels
+from hyloop.models.quant.formats import INT4_GROUP, Int4Groups, Int8Rows
 
 ACT_DTYPE = torch.bfloat16  # the dtype both kernels have vectorised paths for
 
@@ -53,12 +55,16 @@ def int8_supported(out_features: int, in_features: int) -> bool:
 class WeightOnlyLinear(nn.Module, ABC):
     """What both layouts share: ``forward`` casts to the kernel's dtype and back, adds the bias."""
 
-    def __init__(self, out_features: int, in_features: int, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, out_features: int, in_features: int, bias: torch.Tensor | None, split: int = 0
+    ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
+        self.split = split  # a fused gate/up projection's panels interleave its halves
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.kernels: tuple[tuple[int, str], ...] = ()  # (rows, "aten" | "tiled"), ascending
+        self.panels: Panels | None = None
 
     kind: str = ""  # "int4" | "int8": the kernel table's shape key prefix
 
@@ -67,17 +73,34 @@ class WeightOnlyLinear(nn.Module, ABC):
         """``x [M, K]`` in ``ACT_DTYPE`` times the weight, ``[M, N]`` in ``ACT_DTYPE``."""
 
     @abstractmethod
-    def tiled(self, x: torch.Tensor) -> torch.Tensor:
-        """hyloop's kernel: ``x [M, K]`` in any float dtype times the weight plus the bias,
-        ``[M, N]`` in ``x``'s dtype (float32 math)."""
+    def make_panels(self) -> Panels | None:
+        """The weight as panels (``attach_panels``), from the buffers that hold it; None where
+        the panels cannot take its shape."""
 
     @abstractmethod
     def aten_buffers(self) -> tuple[torch.Tensor, ...]:
         """The buffers torch's kernel reads (``nbytes`` of a step on that path)."""
 
-    @abstractmethod
+    def attach_panels(self) -> None:
+        """Pack the weight as panels for hyloop's kernels (once they are loaded): the ``tiled``
+        kernel, and what a decoder stack reads."""
+        if self.panels is None and (panels := self.make_panels()) is not None:
+            self.register_buffer("panel_data", panels.data, persistent=False)
+            self.panels = panels
+
+    def tiled(self, x: torch.Tensor) -> torch.Tensor:
+        """hyloop's kernel: ``x [M, K]`` (float32 or bfloat16) times the weight plus the bias,
+        ``[M, N]`` in ``x``'s dtype."""
+        p = self.panels
+        if p is None:
+            raise RuntimeError(f"{self.shape_key}: no panels (attach_panels first)")
+        return torch.ops.hyloop.panel_linear(
+            x, self.panel_data, p.kind, p.n, p.k, p.split, p.half, self.bias
+        )
+
     def tiled_buffers(self) -> tuple[torch.Tensor, ...]:
         """The buffers hyloop's kernel reads."""
+        return () if self.panels is None else (self.panel_data,)
 
     def set_kernels(self, kernels: dict[int, str]) -> None:
         """One kernel for every row count: the two differ in their activations' rounding
@@ -119,9 +142,11 @@ class WeightOnlyLinear(nn.Module, ABC):
 class Int4Linear(WeightOnlyLinear):
     kind = "int4"
 
-    def __init__(self, groups: Int4Groups, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, groups: Int4Groups, bias: torch.Tensor | None = None, split: int = 0
+    ) -> None:
         n, k = groups.codes.shape
-        super().__init__(n, k, bias)
+        super().__init__(n, k, bias, split)
         self.group = groups.group
         if not int4_supported(n, k, self.group):
             raise ValueError(
@@ -134,25 +159,32 @@ class Int4Linear(WeightOnlyLinear):
         zero = groups.min + 8 * groups.scale
         sz = torch.stack([groups.scale, zero], dim=-1).transpose(0, 1).contiguous()
         self.register_buffer("scales_zeros", sz.to(ACT_DTYPE))
-        # hyloop's layout: per group of 32, byte j holds code j (low nibble) and code j + 16.
+        # Kept for ``make_panels``, compactly: per group of 32, byte j holds code j (low
+        # nibble) and code j + 16 (high); dropped once the panels are made.
         g = groups.codes.view(n, k // 32, 2, 16)
-        self.register_buffer("nibbles", (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2))
-        self.register_buffer("scale", groups.scale.float().contiguous())
-        self.register_buffer("mins", groups.min.float().contiguous())
+        self._source: tuple[torch.Tensor, ...] | None = (
+            (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2).contiguous(),
+            groups.scale.float().contiguous(),
+            groups.min.float().contiguous(),
+        )
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, self.packed, self.group, self.scales_zeros
         )
 
-    def tiled(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.hyloop.int4_gemm(x, self.nibbles, self.scale, self.mins, self.bias)
+    def make_panels(self) -> Panels | None:
+        assert self._source is not None
+        nibbles, scale, mins = self._source
+        n, half_k = nibbles.shape
+        codes = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=2)  # [n, k / 32, 2, 16]
+        codes = codes.view(n, half_k // 16, 16, 2).transpose(2, 3).reshape(n, 2 * half_k)
+        panels = Panels.int4(Int4Groups(codes.contiguous(), scale, mins), self.split)
+        self._source = None
+        return panels
 
     def aten_buffers(self) -> tuple[torch.Tensor, ...]:
         return (self.packed, self.scales_zeros)
-
-    def tiled_buffers(self) -> tuple[torch.Tensor, ...]:
-        return (self.nibbles, self.scale, self.mins)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, group={self.group}"
@@ -161,9 +193,9 @@ class Int4Linear(WeightOnlyLinear):
 class Int8Linear(WeightOnlyLinear):
     kind = "int8"
 
-    def __init__(self, rows: Int8Rows, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, rows: Int8Rows, bias: torch.Tensor | None = None, split: int = 0) -> None:
         n, k = rows.codes.shape
-        super().__init__(n, k, bias)
+        super().__init__(n, k, bias, split)
         if not int8_supported(n, k):
             raise ValueError(f"int8 weight [{n}, {k}]: the kernel needs input columns % 16 == 0")
         self.register_buffer("codes", rows.codes.contiguous())
@@ -173,11 +205,10 @@ class Int8Linear(WeightOnlyLinear):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales)
 
-    def tiled(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.hyloop.int8_gemm(x, self.codes, self.scales_f32, self.bias)
+    def make_panels(self) -> Panels | None:
+        if self.in_features % INT4_GROUP:
+            return None  # int8 panels hold whole groups of 32
+        return Panels.int8(Int8Rows(self.codes, self.scales_f32), self.split)
 
     def aten_buffers(self) -> tuple[torch.Tensor, ...]:
         return (self.codes, self.scales)
-
-    def tiled_buffers(self) -> tuple[torch.Tensor, ...]:
-        return (self.codes, self.scales_f32)

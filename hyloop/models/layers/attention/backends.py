@@ -34,6 +34,8 @@ class TorchPath:
     """Plain torch ops (the eager path, and CUDA graphs without a compile inside)."""
 
     topk: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None = None
+    # A model's decoder layers as one call for decode steps (``models.cpu.DecoderStack``).
+    stack: Any = None
 
     def gather(
         self, batch: StepBatch, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor
@@ -138,7 +140,11 @@ class CompiledPath(TorchPath):
 
 
 class NativePath(TorchPath):
-    """hyloop's CPU kernels (``models.cpu.cpu_ops``): reads the visible pool rows in place."""
+    """hyloop's CPU kernels (``models.cpu.cpu_ops``): reads the visible pool rows in place;
+    with ``stack``, a dense model's decode steps run its layers as one call."""
+
+    def __init__(self, stack: Any = None) -> None:
+        self.stack = stack
 
     @staticmethod
     def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,11 +186,14 @@ class NativePath(TorchPath):
         return out.reshape(b, h * d)
 
 
-def compute_paths(device: torch.device, native: bool, compiled: bool) -> tuple[Any, Any]:
-    """``(eager, captured)`` paths: the CPU kernels for both when loaded, else torch ops for
-    eager steps and, when the captured step is compiled, the form inductor fuses."""
+def compute_paths(
+    device: torch.device, native: bool, compiled: bool, stack: Any = None
+) -> tuple[Any, Any]:
+    """``(eager, captured)`` paths: the CPU kernels for both when loaded (with the model's
+    decoder ``stack``, if it has one), else torch ops for eager steps and, when the captured
+    step is compiled, the form inductor fuses."""
     if native:
-        path = NativePath()
+        path = NativePath(stack)
         return path, path
     eager = TorchPath()
     return eager, CompiledPath() if compiled else eager

@@ -1,0 +1,492 @@
+// A dense decoder stack's decode step in one operator (cpu_ops.py gives the contract).
+//
+// A decode step of a 30-layer model is a few hundred small operators; called one by one (from
+// Python, or a compiled step's wrapper) each pays a dispatch and a wake-up of the threads it
+// splits over, which at batch 1 costs as much as its arithmetic. Here one team of threads
+// (cpu_pool.h) runs every layer, its phases separated by barriers:
+//
+//   norm (rows) | qkv GEMM (panels) | q/k norm, RoPE, K/V write, attention ((row, kv head) tasks)
+//   | o GEMM + residual (panels) | norm (rows) | gate/up GEMM + SiLU * up (panel pairs)
+//   | down GEMM + residual (panels)
+//
+// Each GEMM reads its weight's panels (panels.h), and its input rows are written in that
+// weight's format by the phase before. In a bfloat16 model every value is rounded where the
+// PyTorch layers round it (each projection's output, the norms, RoPE's products, SiLU, the
+// residual adds), so the two paths differ only in summation order.
+
+#include "attend.h"
+#include "cpu_pool.h"
+#include "panel_rows.h"
+#include "panels.h"
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+namespace P = hyloop::panels;
+
+inline float round_to(float v, bool bf16) {
+  return bf16 ? static_cast<float>(c10::BFloat16(v)) : v;
+}
+
+// v[0, n) rounded to bfloat16 in place (when `bf16`).
+inline void round_all(float* v, int64_t n, bool bf16) {
+  if (!bf16) return;
+  int64_t i = 0;
+#if defined(HYLOOP_P512_BF16)
+  for (; i + 16 <= n; i += 16) {
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(v + i));
+    _mm512_storeu_ps(v + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+  }
+#endif
+  for (; i < n; ++i) v[i] = round_to(v[i], true);
+}
+
+struct Proj {
+  at::Tensor data;  // the panels (kept alive here)
+  P::Weight w;
+  at::Tensor bias;  // float32 [n] or undefined
+  const float* bias_ptr() const { return bias.defined() ? bias.const_data_ptr<float>() : nullptr; }
+};
+
+struct Layer {
+  at::Tensor in_norm, post_norm;  // float32 [hidden]
+  at::Tensor q_norm, k_norm;      // float32 [head_dim], or undefined
+  Proj qkv, o, gate_up, down;
+};
+
+struct Spec {
+  int64_t hidden = 0, heads = 0, kv_heads = 0, head_dim = 0, inter = 0;
+  double eps = 1e-6, scale = 1.0;
+  bool bf16 = false;  // the model's dtype (else float32)
+};
+
+// Per-call buffers, grown to the largest batch seen.
+struct Workspace {
+  int64_t rows = 0, threads = 0;  // capacity: the largest batch and team seen
+  std::vector<float> resid, qkv, proj, gate_up, act;
+  hyloop::RowsBuffer in_rows, attn_rows, mlp_rows, down_rows;
+  std::vector<std::vector<float>> scratch;  // per rank: attention scores and accumulators
+};
+
+struct Stack {
+  Spec spec;
+  std::vector<Layer> layers;
+  Workspace ws;
+  std::mutex use;  // one call at a time per stack (its workspace)
+};
+
+std::mutex registry_mutex;
+std::unordered_map<int64_t, std::shared_ptr<Stack>>& registry() {
+  static std::unordered_map<int64_t, std::shared_ptr<Stack>> stacks;
+  return stacks;
+}
+std::atomic<int64_t> next_handle{1};
+
+std::shared_ptr<Stack> find(int64_t handle) {
+  std::lock_guard<std::mutex> g(registry_mutex);
+  const auto it = registry().find(handle);
+  TORCH_CHECK(it != registry().end(), "decoder stack ", handle, " is not registered");
+  return it->second;
+}
+
+int64_t stack_create(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                     int64_t inter, double eps, double scale, bool bf16) {
+  TORCH_CHECK(hidden > 0 && heads > 0 && kv_heads > 0 && head_dim > 0 && inter > 0,
+              "stack_create: sizes must be positive");
+  TORCH_CHECK(heads % kv_heads == 0, "stack_create: ", heads, " heads over ", kv_heads,
+              " kv heads");
+  auto s = std::make_shared<Stack>();
+  s->spec = Spec{hidden, heads, kv_heads, head_dim, inter, eps, scale, bf16};
+  const int64_t handle = next_handle.fetch_add(1);
+  std::lock_guard<std::mutex> g(registry_mutex);
+  registry()[handle] = s;
+  return handle;
+}
+
+void stack_free(int64_t handle) {
+  std::lock_guard<std::mutex> g(registry_mutex);
+  registry().erase(handle);
+}
+
+at::Tensor as_f32(const at::Tensor& t, int64_t n, const char* what) {
+  TORCH_CHECK(t.numel() == n, "stack_add_layer: ", what, " has ", t.numel(), " values, not ", n);
+  return t.to(at::kFloat).contiguous();
+}
+
+Proj make_proj(const at::Tensor& data, int64_t kind, bool half, int64_t n, int64_t k,
+               int64_t split, const std::optional<at::Tensor>& bias, const char* what) {
+  TORCH_CHECK(kind >= P::kF32 && kind <= P::kI8, "stack_add_layer: ", what, " kind ", kind);
+  Proj p;
+  p.data = data;
+  p.w = P::make_weight(static_cast<P::Kind>(kind), n, k, half, split, data.const_data_ptr<uint8_t>());
+  TORCH_CHECK(data.scalar_type() == at::kByte && data.numel() == p.w.panels * p.w.bytes,
+              "stack_add_layer: ", what, " panels hold ", data.numel(), " bytes, expected ",
+              p.w.panels * p.w.bytes);
+  TORCH_CHECK(p.w.kind == P::kF32 || p.w.kind == P::kBF16 || k % P::kGroup == 0,
+              "stack_add_layer: ", what, " is quantized but K = ", k, " is not whole groups");
+  if (bias.has_value() && bias->defined()) p.bias = as_f32(*bias, n, what);
+  return p;
+}
+
+// panels: qkv, o, gate_up (split halves), down; kinds and halves alike; norms: input, post
+// attention, then (optional) q and k per-head norms; biases: qkv, o (each may be None).
+void stack_add_layer(int64_t handle, at::TensorList panels, at::IntArrayRef kinds,
+                     at::IntArrayRef halves, at::TensorList norms,
+                     const c10::List<std::optional<at::Tensor>>& biases) {
+  const auto s = find(handle);
+  const Spec& sp = s->spec;
+  TORCH_CHECK(panels.size() == 4 && kinds.size() == 4 && halves.size() == 4,
+              "stack_add_layer: four projections (qkv, o, gate_up, down)");
+  TORCH_CHECK(norms.size() == 2 || norms.size() == 4, "stack_add_layer: 2 or 4 norm weights");
+  TORCH_CHECK(biases.size() == 2, "stack_add_layer: biases for qkv and o");
+  const int64_t q = sp.heads * sp.head_dim, kv = sp.kv_heads * sp.head_dim;
+  Layer l;
+  l.in_norm = as_f32(norms[0], sp.hidden, "input norm");
+  l.post_norm = as_f32(norms[1], sp.hidden, "post-attention norm");
+  if (norms.size() == 4) {
+    l.q_norm = as_f32(norms[2], sp.head_dim, "q norm");
+    l.k_norm = as_f32(norms[3], sp.head_dim, "k norm");
+  }
+  l.qkv = make_proj(panels[0], kinds[0], halves[0] != 0, q + 2 * kv, sp.hidden, 0, biases.get(0), "qkv");
+  l.o = make_proj(panels[1], kinds[1], halves[1] != 0, sp.hidden, q, 0, biases.get(1), "o");
+  l.gate_up = make_proj(panels[2], kinds[2], halves[2] != 0, 2 * sp.inter, sp.hidden, sp.inter,
+                        std::nullopt, "gate_up");
+  l.down = make_proj(panels[3], kinds[3], halves[3] != 0, sp.hidden, sp.inter, 0, std::nullopt, "down");
+  if (l.o.w.kind == P::kI4 || l.o.w.kind == P::kI8) {
+    TORCH_CHECK((sp.heads / sp.kv_heads) * sp.head_dim % P::kGroup == 0,
+                "stack_add_layer: a quantized o projection needs each kv head's queries to fill "
+                "whole groups of 32");
+  }
+  if (l.down.w.kind == P::kI4 || l.down.w.kind == P::kI8) {
+    TORCH_CHECK(sp.inter % P::kGroup == 0, "stack_add_layer: intermediate size ", sp.inter,
+                " is not whole groups of 32");
+  }
+  std::lock_guard<std::mutex> g(s->use);
+  if (!s->layers.empty()) {  // one rows format per projection for every layer (the workspace)
+    const Layer& first = s->layers.front();
+    const auto format = [](const Proj& p) { return p.w.kind == P::kI8 ? P::kI4 : p.w.kind; };
+    TORCH_CHECK(format(first.qkv) == format(l.qkv) && format(first.o) == format(l.o) &&
+                    format(first.gate_up) == format(l.gate_up) &&
+                    format(first.down) == format(l.down),
+                "stack_add_layer: layer ", s->layers.size(),
+                " mixes dense and quantized projections differently from layer 0");
+  }
+  s->layers.push_back(std::move(l));
+}
+
+// ------------------------------------------------------------------ the phases
+
+// An RMSNorm of one row as PyTorch computes it: float32 statistics, the normalised row in the
+// model's dtype, then times the weight.
+void rms_norm(const float* x, const float* weight, int64_t n, double eps, bool bf16, float* out) {
+  const float ms = hyloop::attend::sum_squares(x, n) / static_cast<float>(n);
+  const float r = 1.0f / std::sqrt(ms + static_cast<float>(eps));
+  for (int64_t i = 0; i < n; ++i) out[i] = round_to(round_to(x[i] * r, bf16) * weight[i], bf16);
+}
+
+// RoPE (rotate half) of one head in place: x * cos + rotate_half(x) * sin on the first
+// `rot` dims, each product and the sum rounded as the model's dtype rounds them.
+void rope(float* x, const float* cos, const float* sin, int64_t rot, bool bf16) {
+  const int64_t half = rot / 2;
+  float tmp[1024];
+  for (int64_t i = 0; i < rot; ++i) {
+    const float r = i < half ? -x[i + half] : x[i - half];
+    tmp[i] = round_to(round_to(x[i] * cos[i], bf16) + round_to(r * sin[i], bf16), bf16);
+  }
+  std::memcpy(x, tmp, rot * sizeof(float));
+}
+
+template <typename T>
+inline void load_row(const T* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <typename T>
+inline void store_row(const float* src, int64_t n, T* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+struct StepInputs {
+  std::vector<at::Tensor> k_bufs, v_bufs;
+  const int64_t* loc = nullptr;    // [B]
+  const int64_t* slots = nullptr;  // [B, L]
+  const float* bias = nullptr;     // [B, L]
+  const float* cos = nullptr;      // [B, rot]
+  const float* sin = nullptr;
+  int64_t ctx = 0, rot = 0;
+};
+
+// Task (b, h): q heads of kv head h and its k / v for row b: norms, RoPE, the K/V write at
+// loc[b], then attention over row b's visible columns; writes the G heads' outputs.
+template <typename T>
+void attend(const Spec& sp, const Layer& l, const StepInputs& in, int64_t layer, int64_t b,
+            int64_t h, const float* qkv_row, std::vector<float>& scratch, float* out_row) {
+  const int64_t D = sp.head_dim, G = sp.heads / sp.kv_heads, L = in.ctx;
+  const bool bf = sp.bf16;
+  scratch.resize(G * D + 2 * D + G * (L + 1));
+  float* q = scratch.data();
+  float* k = q + G * D;
+  float* v = k + D;
+  std::memcpy(q, qkv_row + h * G * D, G * D * sizeof(float));
+  std::memcpy(k, qkv_row + sp.heads * D + h * D, D * sizeof(float));
+  std::memcpy(v, qkv_row + (sp.heads + sp.kv_heads) * D + h * D, D * sizeof(float));
+  round_all(q, G * D, bf);
+  round_all(k, D, bf);
+  round_all(v, D, bf);
+  const float* cos = in.cos + b * in.rot;
+  const float* sin = in.sin + b * in.rot;
+  for (int64_t g = 0; g <= G; ++g) {  // G query heads, then the key
+    float* head = g < G ? q + g * D : k;
+    const at::Tensor& norm = g < G ? l.q_norm : l.k_norm;
+    if (norm.defined()) rms_norm(head, norm.const_data_ptr<float>(), D, sp.eps, bf, head);
+    rope(head, cos, sin, in.rot, bf);
+  }
+  T* kb = in.k_bufs[layer].mutable_data_ptr<T>();
+  T* vb = in.v_bufs[layer].mutable_data_ptr<T>();
+  const int64_t k_row = in.k_bufs[layer].stride(0), v_row = in.v_bufs[layer].stride(0);
+  store_row(k, D, kb + in.loc[b] * k_row + h * D);
+  store_row(v, D, vb + in.loc[b] * v_row + h * D);
+  hyloop::attend::group(q, G, D, kb, k_row, vb, v_row, h, in.slots + b * L, in.bias + b * L, L,
+                        static_cast<float>(sp.scale), v + D, out_row);
+  round_all(out_row, G * D, bf);
+}
+
+void ensure_workspace(Stack& s, int64_t rows, int64_t threads) {
+  Workspace& ws = s.ws;
+  const Spec& sp = s.spec;
+  const Layer& l0 = s.layers.front();
+  const int64_t q = sp.heads * sp.head_dim, nqkv = q + 2 * sp.kv_heads * sp.head_dim;
+  if (rows > ws.rows) {  // grow only: a step's batch size varies
+    ws.resid.resize(rows * sp.hidden);
+    ws.qkv.resize(rows * nqkv);
+    ws.proj.resize(rows * std::max(q, sp.hidden));
+    ws.gate_up.resize(rows * 2 * sp.inter);
+    ws.act.resize(rows * std::max(sp.inter, q));
+    ws.rows = rows;
+  }
+  ws.in_rows.reset(l0.qkv.w.kind, rows, sp.hidden);
+  ws.attn_rows.reset(l0.o.w.kind, rows, q);
+  ws.mlp_rows.reset(l0.gate_up.w.kind, rows, sp.hidden);
+  ws.down_rows.reset(l0.down.w.kind, rows, sp.inter);
+  if (ws.threads < threads) ws.scratch.resize(threads);
+  ws.threads = std::max(ws.threads, threads);
+}
+
+// [lo, hi) of `n` units for rank r of t.
+inline std::pair<int64_t, int64_t> share(int64_t n, int r, int t) {
+  return {n * r / t, n * (r + 1) / t};
+}
+
+// One GEMM of a phase: this rank's share of the weight's panels, in units of `unit` panels.
+inline std::pair<int64_t, int64_t> gemm_share(const Proj& p, const P::Rows& x, float* out,
+                                              int64_t ld, int64_t unit, int r, int t) {
+  const int64_t units = (p.w.panels + unit - 1) / unit;
+  const auto [u0, u1] = share(units, r, t);
+  const int64_t p0 = u0 * unit, p1 = std::min(p.w.panels, u1 * unit);
+  P::Output o;
+  o.f32 = out;
+  o.ld = ld;
+  o.bias = p.bias_ptr();
+  if (p0 < p1) P::gemm(p.w, x, p0, p1, o);
+  return {p0, p1};
+}
+
+template <typename T>
+void run_layers(Stack& s, const StepInputs& in, int64_t B, int rank, hyloop::Team& team) {
+  const Spec& sp = s.spec;
+  Workspace& ws = s.ws;
+  const int T_ = team.size();
+  const bool bf = sp.bf16;
+  const int64_t H = sp.hidden, D = sp.head_dim, q = sp.heads * D;
+  const int64_t nqkv = q + 2 * sp.kv_heads * D, I = sp.inter, G = sp.heads / sp.kv_heads;
+  std::vector<float>& scratch = ws.scratch[rank];
+  float norm_row[8192];
+  for (size_t li = 0; li < s.layers.size(); ++li) {
+    const Layer& l = s.layers[li];
+    // 1. input norm -> the qkv GEMM's rows
+    for (int64_t b = rank; b < B; b += T_) {
+      rms_norm(ws.resid.data() + b * H, l.in_norm.const_data_ptr<float>(), H, sp.eps, bf, norm_row);
+      ws.in_rows.set_row(b, norm_row);
+    }
+    team.sync();
+    // 2. qkv
+    gemm_share(l.qkv, ws.in_rows.view(), ws.qkv.data(), nqkv, 2, rank, T_);
+    team.sync();
+    // 3. attention, (row, kv head) tasks; each writes its heads' columns of the o GEMM's rows
+    // Contiguous runs of tasks per rank: a row's kv heads read neighbouring parts of the same
+    // pool rows, one after another.
+    const auto [t0, t1] = share(B * sp.kv_heads, rank, T_);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / sp.kv_heads, h = t % sp.kv_heads;
+      float* out = ws.act.data() + b * q + h * G * D;
+      attend<T>(sp, l, in, static_cast<int64_t>(li), b, h, ws.qkv.data() + b * nqkv, scratch, out);
+      ws.attn_rows.set_cols(b, h * G * D, G * D, out);
+    }
+    team.sync();
+    // 4. o + residual
+    {
+      const auto [p0, p1] = gemm_share(l.o, ws.attn_rows.view(), ws.proj.data(), H, 2, rank, T_);
+      const int64_t c0 = p0 * P::kCols, c1 = std::min(H, p1 * P::kCols);
+      for (int64_t b = 0; b < B; ++b) {
+        float* x = ws.resid.data() + b * H;
+        const float* y = ws.proj.data() + b * H;
+        for (int64_t c = c0; c < c1; ++c) x[c] = round_to(x[c] + round_to(y[c], bf), bf);
+      }
+    }
+    team.sync();
+    // 5. post-attention norm -> the gate/up GEMM's rows
+    for (int64_t b = rank; b < B; b += T_) {
+      rms_norm(ws.resid.data() + b * H, l.post_norm.const_data_ptr<float>(), H, sp.eps, bf,
+               norm_row);
+      ws.mlp_rows.set_row(b, norm_row);
+    }
+    team.sync();
+    // 6. gate/up in units of two panel pairs (32 columns: whole groups for a quantized down),
+    // then SiLU(gate) * up on this rank's columns -> the down GEMM's rows
+    {
+      const auto [p0, p1] = gemm_share(l.gate_up, ws.mlp_rows.view(), ws.gate_up.data(), 2 * I, 4,
+                                       rank, T_);
+      const int64_t c0 = p0 / 2 * P::kCols, c1 = std::min(I, p1 / 2 * P::kCols);
+      for (int64_t b = 0; b < B && c0 < c1; ++b) {
+        float* a = ws.act.data() + b * I;
+        float* gate = ws.gate_up.data() + b * 2 * I + c0;  // rounded in place, then SiLU
+        float* up = gate + I;
+        round_all(gate, c1 - c0, bf);
+        round_all(up, c1 - c0, bf);
+        hyloop::attend::silu(gate, a + c0, c1 - c0);
+        round_all(a + c0, c1 - c0, bf);
+        for (int64_t c = c0; c < c1; ++c) a[c] *= up[c - c0];
+        round_all(a + c0, c1 - c0, bf);
+        ws.down_rows.set_cols(b, c0, c1 - c0, a + c0);
+      }
+    }
+    team.sync();
+    // 7. down + residual
+    {
+      const auto [p0, p1] = gemm_share(l.down, ws.down_rows.view(), ws.proj.data(), H, 2, rank, T_);
+      const int64_t c0 = p0 * P::kCols, c1 = std::min(H, p1 * P::kCols);
+      for (int64_t b = 0; b < B; ++b) {
+        float* x = ws.resid.data() + b * H;
+        const float* y = ws.proj.data() + b * H;
+        for (int64_t c = c0; c < c1; ++c) x[c] = round_to(x[c] + round_to(y[c], bf), bf);
+      }
+    }
+    team.sync();
+  }
+}
+
+at::Tensor decode_layers(const at::Tensor& x, int64_t handle, at::TensorList k_bufs,
+                         at::TensorList v_bufs, const at::Tensor& loc, const at::Tensor& slots,
+                         const at::Tensor& bias, const at::Tensor& cos, const at::Tensor& sin) {
+  const auto s = find(handle);
+  const Spec& sp = s->spec;
+  const int64_t H = sp.hidden, D = sp.head_dim;
+  TORCH_CHECK(!s->layers.empty(), "decode_layers: the stack has no layers");
+  const auto n_layers = static_cast<int64_t>(s->layers.size());
+  TORCH_CHECK(x.size(-1) == H, "decode_layers: x has ", x.size(-1), " columns, hidden is ", H);
+  TORCH_CHECK(x.scalar_type() == (sp.bf16 ? at::kBFloat16 : at::kFloat),
+              "decode_layers: x must be ", sp.bf16 ? "bfloat16" : "float32");
+  TORCH_CHECK(static_cast<int64_t>(k_bufs.size()) == n_layers &&
+                  static_cast<int64_t>(v_bufs.size()) == n_layers,
+              "decode_layers: one K and one V buffer per layer (", n_layers, ")");
+  for (int64_t i = 0; i < n_layers; ++i) {
+    const at::Tensor& kb = k_bufs[i];
+    const at::Tensor& vb = v_bufs[i];
+    TORCH_CHECK(kb.dim() == 3 && kb.size(1) == sp.kv_heads && kb.size(2) == D &&
+                    kb.stride(2) == 1 && kb.stride(1) == D && vb.sizes() == kb.sizes() &&
+                    vb.strides() == kb.strides() && kb.scalar_type() == x.scalar_type() &&
+                    vb.scalar_type() == x.scalar_type(),
+                "decode_layers: layer ", i, "'s K/V buffers must be [slots, ", sp.kv_heads, ", ",
+                D, "] rows in the model's dtype");
+  }
+  const int64_t B = x.numel() / H;
+  TORCH_CHECK(loc.numel() == B && loc.scalar_type() == at::kLong, "decode_layers: loc int64 [B]");
+  TORCH_CHECK(slots.dim() == 2 && slots.size(0) == B && slots.scalar_type() == at::kLong,
+              "decode_layers: slots int64 [B, L]");
+  TORCH_CHECK(bias.sizes() == slots.sizes() && bias.scalar_type() == at::kFloat,
+              "decode_layers: bias float32 [B, L]");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == B && cos.size(1) <= D && cos.size(1) % 2 == 0 &&
+                  cos.size(1) <= 1024 && sin.sizes() == cos.sizes() &&
+                  cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "decode_layers: cos / sin float32 [B, rotary dims <= head_dim]");
+  TORCH_CHECK(H <= 8192 && sp.heads / sp.kv_heads <= 64, "decode_layers: hidden ", H,
+              " or query group too large");
+  const int64_t slots_n = k_bufs[0].size(0);
+  const at::Tensor lc = loc.contiguous(), sc = slots.contiguous(), bc = bias.contiguous();
+  const at::Tensor cc = cos.contiguous(), snc = sin.contiguous();
+  const int64_t* lp = lc.const_data_ptr<int64_t>();
+  const int64_t* spp = sc.const_data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lp[b] >= 0 && lp[b] < slots_n, "decode_layers: loc[", b, "] = ", lp[b],
+                " outside the pool's ", slots_n, " slots");
+  }
+  for (int64_t i = 0; i < sc.numel(); ++i) {
+    TORCH_CHECK(spp[i] >= 0 && spp[i] < slots_n, "decode_layers: slot ", spp[i],
+                " outside the pool's ", slots_n, " slots");
+  }
+  StepInputs in;
+  in.k_bufs.assign(k_bufs.begin(), k_bufs.end());
+  in.v_bufs.assign(v_bufs.begin(), v_bufs.end());
+  in.loc = lp;
+  in.slots = spp;
+  in.bias = bc.const_data_ptr<float>();
+  in.cos = cc.const_data_ptr<float>();
+  in.sin = snc.const_data_ptr<float>();
+  in.ctx = slots.size(1);
+  in.rot = cos.size(1);
+
+  std::lock_guard<std::mutex> guard(s->use);
+  const int threads = hyloop::team_size();
+  ensure_workspace(*s, B, threads);
+  const at::Tensor xc = x.reshape({B, H}).contiguous();
+  if (sp.bf16) {
+    load_row(xc.const_data_ptr<c10::BFloat16>(), B * H, s->ws.resid.data());
+  } else {
+    std::memcpy(s->ws.resid.data(), xc.const_data_ptr<float>(), B * H * sizeof(float));
+  }
+  hyloop::run_team(threads, [&](int rank, hyloop::Team& team) {
+    if (sp.bf16) {
+      run_layers<c10::BFloat16>(*s, in, B, rank, team);
+    } else {
+      run_layers<float>(*s, in, B, rank, team);
+    }
+  });
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  if (sp.bf16) {
+    store_row(s->ws.resid.data(), B * H, out.mutable_data_ptr<c10::BFloat16>());
+  } else {
+    std::memcpy(out.mutable_data_ptr<float>(), s->ws.resid.data(), B * H * sizeof(float));
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(hyloop, m) {
+  m.def(
+      "stack_create(int hidden, int heads, int kv_heads, int head_dim, int intermediate, "
+      "float eps, float scale, bool bf16) -> int",
+      &stack_create);
+  m.def(
+      "stack_add_layer(int handle, Tensor[] panels, int[] kinds, int[] halves, Tensor[] norms, "
+      "Tensor?[] biases) -> ()",
+      &stack_add_layer);
+  m.def("stack_free(int handle) -> ()", &stack_free);
+  m.def(
+      "decode_layers(Tensor x, int handle, Tensor(a!)[] k_bufs, Tensor(b!)[] v_bufs, Tensor loc, "
+      "Tensor slots, Tensor bias, Tensor cos, Tensor sin) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(hyloop, CPU, m) { m.impl("decode_layers", &decode_layers); }

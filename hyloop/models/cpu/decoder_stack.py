@@ -1,0 +1,183 @@
+"""A dense model's decoder layers as one CPU operator per decode step (``cpu_decoder.cpp``).
+
+``hyloop::decode_layers`` runs every layer of a Llama / Qwen2 / Qwen3 model for one new token
+per row, on one team of threads, its phases separated by barriers: no operator per norm,
+projection or attention in between, no thread wake-up per kernel, and each projection read
+through its panels (the same ones the layer-by-layer path's ``hyloop::panel_linear`` reads).
+Prefill, and any model or step this does not cover, runs the layers one by one.
+
+It is the ``stack`` of the CPU compute path (``layers.attention.backends.NativePath``), built at
+assembly when ``model.cpu_stack`` allows it; ``DecoderLM.forward`` hands it decode steps. The
+KV pool's buffers are arguments the operator mutates (``Tensor(a!)[]``), so a compiled step
+orders it like any other write of the pool.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from hyloop.graphs.step_batch import StepBatch
+from hyloop.models.cpu.panels import BF16, F32, I4, I8, Panels, gate_up_split
+from hyloop.models.layers.attention.paged import attention_meta
+
+MAX_HIDDEN, MAX_GROUP, MAX_ROTARY = 8192, 64, 1024  # cpu_decoder.cpp's fixed buffers
+
+
+def stack_refusal(model: nn.Module) -> str | None:
+    """Why ``model`` cannot run as one stack (None: it can)."""
+    from hyloop.models.arch.llama import DenseCausalLM
+
+    if type(model) is not DenseCausalLM:
+        return f"{type(model).__name__} is not a dense Llama / Qwen2 / Qwen3 model"
+    spec = model.spec
+    if spec.mlp_bias:
+        return "MLP biases"
+    if spec.hidden_size > MAX_HIDDEN or spec.num_heads // spec.num_kv_heads > MAX_GROUP:
+        return "hidden size or query group beyond the kernel's buffers"
+    if spec.rope.rotary_dim > MAX_ROTARY or spec.rope.rotary_dim % 2:
+        return "rotary dims"
+    embed = model.model.embed_tokens.weight
+    if embed.dtype not in (torch.float32, torch.bfloat16):
+        return f"dtype {embed.dtype}"
+    if embed.device.type != "cpu":
+        return "not on the CPU"
+    group_dims = spec.num_heads // spec.num_kv_heads * spec.head_dim
+    formats = set()
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        kinds = tuple(_format(p) for p in projections)
+        if None in kinds:
+            return "a projection hyloop's panels cannot hold"
+        if kinds[1] == "int" and group_dims % 32:
+            return "a quantized o projection over query groups that are not whole int8 groups"
+        if kinds[3] == "int" and spec.intermediate_size % 32:
+            return "a quantized down projection over an intermediate size not in groups of 32"
+        formats.add(kinds)
+    if len(formats) > 1:
+        return "layers that mix dense and quantized projections differently"
+    return None
+
+
+def _format(module: nn.Module) -> str | None:
+    """A projection's rows format: ``int`` (int4 / int8 panels), ``dense`` (float32 / bfloat16,
+    panels or a weight to pack), None (neither)."""
+    panels = getattr(module, "panels", None)
+    if panels is not None:
+        return "int" if panels.kind in (I4, I8) else "dense"
+    weight = getattr(module, "weight", None)
+    ok = weight is not None and weight.dtype in (torch.float32, torch.bfloat16)
+    return "dense" if ok else None
+
+
+def panels_of(module: nn.Module, name: str) -> Panels:
+    """The projection's panels: its own (a packed or weight-only Linear has them) or packed
+    here from its weight."""
+    panels = getattr(module, "panels", None)
+    if panels is not None:
+        return panels
+    weight = module.weight.detach()
+    return Panels.dense(weight, gate_up_split(name, weight.shape[0]))
+
+
+class DecoderStack:
+    """``model``'s decoder layers registered with ``hyloop::decode_layers`` (one handle)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        why = stack_refusal(model)
+        if why is not None:
+            raise ValueError(f"no decoder stack: {why}")
+        spec = model.spec
+        dtype = model.model.embed_tokens.weight.dtype
+        layers = list(model.model.layers)
+        attn0 = layers[0].self_attn.attn
+        self.rotary = layers[0].self_attn.rotary
+        self.hidden = spec.hidden_size
+        self.pool_layers = [layer.self_attn.attn.pool_layer for layer in layers]
+        self.handle = int(
+            torch.ops.hyloop.stack_create(
+                spec.hidden_size,
+                spec.num_heads,
+                spec.num_kv_heads,
+                spec.head_dim,
+                spec.intermediate_size,
+                spec.rms_norm_eps,
+                attn0.scale,
+                dtype == torch.bfloat16,
+            )
+        )
+        weakref.finalize(self, torch.ops.hyloop.stack_free, self.handle)
+        # Row counts measured with and without the stack (``stack_choice``): whether it ran
+        # faster; empty: it runs every decode step.
+        self.choice: dict[int, bool] = {}
+        self.kinds: dict[str, int] = {}
+        with torch.no_grad():
+            for i, layer in enumerate(layers):
+                prefix = f"model.layers.{i}"
+                attn, mlp = layer.self_attn, layer.mlp
+                projections = [
+                    panels_of(attn.qkv_proj, f"{prefix}.self_attn.qkv_proj"),
+                    panels_of(attn.o_proj, f"{prefix}.self_attn.o_proj"),
+                    panels_of(mlp.gate_up_proj, f"{prefix}.mlp.gate_up_proj"),
+                    panels_of(mlp.down_proj, f"{prefix}.mlp.down_proj"),
+                ]
+                norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+                if attn.qk_norm:
+                    norms += [attn.q_norm.weight, attn.k_norm.weight]
+                torch.ops.hyloop.stack_add_layer(
+                    self.handle,
+                    [p.data for p in projections],
+                    [p.kind for p in projections],
+                    [int(p.half) for p in projections],
+                    [n.detach().float() for n in norms],
+                    [_bias(attn.qkv_proj), _bias(attn.o_proj)],
+                )
+                for p in projections:
+                    self.kinds[_KIND_NAMES[p.kind]] = self.kinds.get(_KIND_NAMES[p.kind], 0) + 1
+
+    def runs(self, rows: int) -> bool:
+        """Whether a decode step of ``rows`` rows takes the stack: the choice measured at the
+        nearest row count at or above it (the largest, above them all)."""
+        if not self.choice:
+            return True
+        above = [r for r in self.choice if r >= rows]
+        return self.choice[min(above) if above else max(self.choice)]
+
+    def __call__(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """The layers' output ``[B, 1, H]`` for embedded tokens ``x [B, 1, H]`` (decode)."""
+        b = x.shape[0]
+        pool = batch.pools.kv
+        meta = attention_meta(batch, None, False)
+        positions = batch.positions.view(b)
+        cos = self.rotary.cos[positions].float()  # (the tables follow the model's dtype)
+        sin = self.rotary.sin[positions].float()
+        out = torch.ops.hyloop.decode_layers(
+            x.reshape(b, self.hidden),
+            self.handle,
+            [pool.k[i] for i in self.pool_layers],
+            [pool.v[i] for i in self.pool_layers],
+            meta.loc.reshape(b),
+            meta.slots.view(b, -1),
+            meta.mask.view(b, -1),
+            cos,
+            sin,
+        )
+        return out.view(b, 1, self.hidden)
+
+    def describe(self) -> dict[str, Any]:
+        """What the run summary reports: projections per weight kind, and the row counts it
+        runs (measured) or ``every``."""
+        rows = sorted(r for r, on in self.choice.items() if on) if self.choice else "every"
+        return {"projections": dict(self.kinds), "rows": rows}
+
+
+_KIND_NAMES = {F32: "float32", BF16: "bfloat16", I4: "int4", I8: "int8"}
+
+
+def _bias(linear: nn.Module) -> torch.Tensor | None:
+    bias = getattr(linear, "bias", None)
+    return None if bias is None else bias.detach().float()

@@ -1,0 +1,213 @@
+"""The decoder stack (``hyloop::decode_layers``): a dense model's decode step in one call equals
+the same step layer by layer (torch path), in its hidden states and in the K/V it writes, for
+Llama, Qwen2 (q/k/v biases) and Qwen3 (q/k norms), float32, bfloat16 and int4 / int8 weights;
+its result does not depend on how many threads ran it; bad input is named; what it cannot run
+is refused with the reason."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from conftest import TINY_DENSE, make_batch
+
+from hyloop.graphs.step_batch import StepBatch
+from hyloop.models.cpu import cpu_ops
+from hyloop.models.cpu.decoder_stack import DecoderStack, stack_refusal
+from hyloop.models.layers.attention import NativePath, TorchPath
+from hyloop.models.quant.apply import quantize_linears
+from hyloop.models.quant.linear import WeightOnlyLinear
+from hyloop.models.registry import model_class
+from hyloop.pools import KVPool, ReqToTokenPool
+
+pytestmark = pytest.mark.skipif(
+    not cpu_ops.ensure_loaded(), reason="no C++ compiler: hyloop's CPU kernels cannot be built"
+)
+
+MAX_CTX = 24
+LENS = [7, 4, 11]  # prompt lengths of the three requests
+
+
+def tiny(name: str, dtype: torch.dtype, weights: str = "dequantize") -> Any:
+    torch.manual_seed(0)
+    cfg = TINY_DENSE[name]
+    model = model_class(cfg)(cfg).eval().to(dtype)
+    if weights != "dequantize":
+        quantize_linears(model, weights, {}, torch.device("cpu"))
+        for m in model.modules():
+            if isinstance(m, WeightOnlyLinear):
+                m.attach_panels()
+                m.set_kernels({1: "tiled"})
+    return model
+
+
+def pools(model: Any, dtype: torch.dtype) -> tuple[KVPool, ReqToTokenPool]:
+    c = model.contract
+    kv = KVPool(len(c.kv_windows), 1 + len(LENS) * MAX_CTX, 1, c.kv_heads, c.head_dim, dtype, "cpu")
+    table = ReqToTokenPool(len(LENS), MAX_CTX, "cpu")
+    for r in range(len(LENS)):
+        table.table[r] = 1 + r * MAX_CTX + torch.arange(MAX_CTX, dtype=torch.int32)
+    return kv, table
+
+
+def prefill(model: Any, kv: KVPool, table: ReqToTokenPool) -> None:
+    b, t = len(LENS), max(LENS)
+    ids = torch.randint(3, 200, (b, t), generator=torch.Generator().manual_seed(1))
+    loc = torch.zeros(b, t, dtype=torch.int64)
+    for r, n in enumerate(LENS):
+        loc[r, :n] = table.table[r, :n].long()
+    batch = make_batch(
+        input_ids=ids,
+        positions=torch.arange(t).repeat(b, 1),
+        out_cache_loc=loc,
+        req_rows=torch.arange(b),
+        prefix_lens=torch.zeros(b, dtype=torch.int64),
+        extend_lens=torch.tensor(LENS),
+        req_to_token=table.table,
+        kv_len=t,
+        kv=kv,
+    )
+    with torch.no_grad():
+        model(batch)
+
+
+def decode_batch(kv: KVPool, table: ReqToTokenPool, compute: Any) -> StepBatch:
+    b = len(LENS)
+    pos = torch.tensor(LENS).view(b, 1)
+    return make_batch(
+        input_ids=torch.tensor([[17], [42], [99]]),
+        positions=pos,
+        out_cache_loc=table.table[torch.arange(b), pos.view(b)].long().view(b, 1),
+        req_rows=torch.arange(b),
+        prefix_lens=pos.view(b),
+        extend_lens=torch.ones(b, dtype=torch.int64),
+        req_to_token=table.table,
+        kv_len=max(LENS) + 1,
+        kv=kv,
+        is_decode=True,
+        compute=compute,
+    )
+
+
+def decode_both(name: str, dtype: torch.dtype, weights: str = "dequantize") -> dict[str, Any]:
+    """One decode step after the same prefill, layer by layer and as a stack."""
+    model = tiny(name, dtype, weights)
+    kv, table = pools(model, dtype)
+    prefill(model, kv, table)
+    out: dict[str, Any] = {}
+    for label, compute in (("layers", TorchPath()), ("stack", NativePath(DecoderStack(model)))):
+        pool = KVPool(
+            len(kv.k), kv.k[0].shape[0], 1, kv.k[0].shape[1], kv.k[0].shape[2], dtype, "cpu"
+        )
+        for i in range(len(kv.k)):
+            pool.k[i].copy_(kv.k[i])
+            pool.v[i].copy_(kv.v[i])
+        with torch.no_grad():
+            hidden = model(decode_batch(pool, table, compute))
+        out[label] = (hidden.float(), pool)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(TINY_DENSE))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_stack_is_the_layers(name: str, dtype: torch.dtype) -> None:
+    res = decode_both(name, dtype)
+    (h_layers, kv_layers), (h_stack, kv_stack) = res["layers"], res["stack"]
+    # float32: summation order only; bfloat16: the same roundings, in another order
+    rel = 2e-5 if dtype == torch.float32 else 3e-2
+    scale = float(h_layers.abs().max())
+    torch.testing.assert_close(h_stack, h_layers, rtol=0, atol=rel * scale)
+    loc = [1 + r * MAX_CTX + n for r, n in enumerate(LENS)]
+    for i in range(len(kv_layers.k)):
+        for buf_s, buf_l in ((kv_stack.k[i], kv_layers.k[i]), (kv_stack.v[i], kv_layers.v[i])):
+            ref = buf_l[loc].float()
+            tol = rel * float(ref.abs().max())
+            torch.testing.assert_close(buf_s[loc].float(), ref, rtol=0, atol=tol)
+            assert float(buf_s[loc].abs().sum()) > 0  # the new token's K/V did land
+            others = [s for s in range(buf_s.shape[0]) if s not in loc]
+            assert torch.equal(buf_s[others], buf_l[others])  # and nothing else moved
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_quantized_stack_is_the_quantized_layers(weights: str) -> None:
+    """Integer panels in both paths; they quantize activations per group of 32, where a last
+    digit's difference can flip a code, so the match is to that rounding."""
+    res = decode_both("llama", torch.float32, weights)
+    h_layers, h_stack = res["layers"][0], res["stack"][0]
+    err = float((h_stack - h_layers).abs().max())
+    assert err <= 2e-2 * float(h_layers.abs().max()), err
+
+
+def test_the_result_does_not_depend_on_the_thread_count() -> None:
+    """Each output is computed by one thread in one order, however the work is split."""
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(decode_both("qwen3", torch.float32)["stack"][0])
+    finally:
+        torch.set_num_threads(threads)
+    for other in outs[1:]:
+        torch.testing.assert_close(other, outs[0], rtol=0, atol=0)
+
+
+def _call(stack: DecoderStack, kv: KVPool, **change: Any) -> torch.Tensor:
+    b, h = 2, stack.hidden
+    args: dict[str, Any] = dict(
+        x=torch.randn(b, h),
+        k_bufs=list(kv.k),
+        v_bufs=list(kv.v),
+        loc=torch.tensor([3, 4]),
+        slots=torch.tensor([[1, 2, 3], [1, 2, 4]]),
+        bias=torch.zeros(b, 3),
+        cos=torch.ones(b, 16),
+        sin=torch.zeros(b, 16),
+    )
+    args.update(change)
+    return torch.ops.hyloop.decode_layers(
+        args["x"],
+        stack.handle,
+        args["k_bufs"],
+        args["v_bufs"],
+        args["loc"],
+        args["slots"],
+        args["bias"],
+        args["cos"],
+        args["sin"],
+    )
+
+
+def test_bad_input_is_named() -> None:
+    model = tiny("llama", torch.float32)
+    kv, _ = pools(model, torch.float32)
+    stack = DecoderStack(model)
+    assert _call(stack, kv).shape == (2, stack.hidden)
+    with pytest.raises(RuntimeError, match="loc\\[1\\] = 9999 outside"):
+        _call(stack, kv, loc=torch.tensor([3, 9999]))
+    with pytest.raises(RuntimeError, match="slot -1 outside"):
+        _call(stack, kv, slots=torch.tensor([[1, 2, 3], [1, -1, 4]]))
+    with pytest.raises(RuntimeError, match="one K and one V buffer per layer"):
+        _call(stack, kv, k_bufs=list(kv.k)[:1])
+    with pytest.raises(RuntimeError, match="must be float32"):
+        _call(stack, kv, x=torch.randn(2, stack.hidden).bfloat16())
+    with pytest.raises(RuntimeError, match="is not registered"):
+        torch.ops.hyloop.decode_layers(
+            torch.randn(1, 64),
+            -5,
+            [],
+            [],
+            torch.zeros(1).long(),
+            torch.zeros(1, 1).long(),
+            torch.zeros(1, 1),
+            torch.ones(1, 16),
+            torch.zeros(1, 16),
+        )
+
+
+def test_models_it_cannot_run_are_refused_with_the_reason() -> None:
+    assert stack_refusal(tiny("llama", torch.float32)) is None
+    assert "not a dense Llama" in str(stack_refusal(torch.nn.Linear(4, 4)))
+    with pytest.raises(ValueError, match="no decoder stack: .*not a dense"):
+        DecoderStack(torch.nn.Linear(4, 4))
