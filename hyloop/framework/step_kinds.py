@@ -31,7 +31,7 @@ from hyloop.graphs.sampler import (
     candidate_cap,
     token_hashes,
 )
-from hyloop.graphs.step_batch import CONTROLS, MASKS, RequestTable, StepBatch, StepPools
+from hyloop.graphs.step_batch import CONTROLS, GREEDY, MASKS, RequestTable, StepBatch, StepPools
 from hyloop.graphs.token_masks import MaskGate
 
 
@@ -107,13 +107,14 @@ class StepKind:
     def mode(self, params: Iterable[SamplingParams]) -> tuple[int, int, int]:
         """``(top_cap, num_logprobs, controls)`` of a step over requests sampling with
         ``params`` (``controls``: ``CONTROLS`` when some request has a penalty or a logits
-        control, | ``MASKS`` when some request has a grammar)."""
+        control, | ``MASKS`` when some request has a grammar, | ``GREEDY`` when none samples)."""
         params = list(params)
         nlp = max((max(p.logprobs, 1) for p in params if p.logprobs is not None), default=0)
         cap = candidate_cap((self.filter_group(p) for p in params), self.vocab_size)
         on = CONTROLS if any(penalized(p) or controlled(p) for p in params) else 0
         masks = MASKS if any(p.structured_outputs is not None for p in params) else 0
-        return cap, min(nlp, self.vocab_size), on | masks
+        greedy = 0 if any(self.samples(p) for p in params) else GREEDY
+        return cap, min(nlp, self.vocab_size), on | masks | greedy
 
     def prepare_capture(self, keys: Sequence[ArtifactKey]) -> None:
         """Before capturing ``keys``: a compiled one-row step may run the GEMV, time it too."""

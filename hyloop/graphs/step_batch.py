@@ -36,7 +36,9 @@ __all__ = [
     "row_fields",
 ]
 
-CONTROLS, MASKS = 1, 2  # the controls bits of a captured step's mode
+# The controls bits of a captured step's mode: the penalties and logits controls, the grammar
+# masks, and GREEDY (every row greedy: no Gumbel noise over the vocabulary at all).
+CONTROLS, MASKS, GREEDY = 1, 2, 4
 _PADDING_ROW = -1  # stands for the pool's padding row (``CaptureBuffer.init``)
 
 
@@ -101,7 +103,7 @@ class StepBatch:
     top_cap: int = 0  # static: sampler candidates (``sampler.candidate_cap``)
     num_logprobs: int = 0  # static: top logprobs returned per row
     keep_logits: bool = False  # static: the output keeps the logits
-    greedy_only: bool = False  # static, eager steps only: every row is greedy
+    greedy_only: bool = False  # static: every row is greedy (``GREEDY``)
     # static: the penalties, the logits controls (``controls.py``) and the structured-output
     # token masks; an eager step applies each when some row has one, a captured step all
     # three or none (``mode``)
@@ -124,9 +126,11 @@ class StepBatch:
     @property
     def mode(self) -> tuple[int, int, int]:
         """The sampling mode an artifact is specialised on besides its two sizes; its controls:
-        ``CONTROLS`` (the penalties and logits controls together) | ``MASKS`` (grammars)."""
+        ``CONTROLS`` (the penalties and logits controls together) | ``MASKS`` (grammars) |
+        ``GREEDY`` (every row greedy)."""
         on = CONTROLS if self.penalized or self.controlled else 0
-        return (self.top_cap, self.num_logprobs, on | (MASKS if self.masked else 0))
+        on |= (MASKS if self.masked else 0) | (GREEDY if self.greedy_only else 0)
+        return (self.top_cap, self.num_logprobs, on)
 
     @property
     def seq_lens(self) -> torch.Tensor:
@@ -228,12 +232,18 @@ class CaptureBuffer:
         self, bs: int, kv_len: int, top_cap: int = 0, num_logprobs: int = 0, controls: int = 0
     ) -> StepBatch:
         """The first ``bs`` rows (shared storage) with these static values; ``controls``: the
-        per-request controls applied, ``CONTROLS`` | ``MASKS`` (a neutral row's are no-ops)."""
+        per-request controls applied, ``CONTROLS`` | ``MASKS`` (a neutral row's are no-ops),
+        and ``GREEDY`` (the step samples no noise; padding rows are greedy)."""
         if not 1 <= bs <= self.max_bs:
             raise ValueError(f"CaptureBuffer.view: bs {bs}, expected 1..{self.max_bs}")
         rows = {f.name: getattr(self.full, f.name)[:bs] for f in row_fields()}
         on = bool(controls & CONTROLS)
-        flags = dict(penalized=on, controlled=on, masked=bool(controls & MASKS))
+        flags = dict(
+            penalized=on,
+            controlled=on,
+            masked=bool(controls & MASKS),
+            greedy_only=bool(controls & GREEDY),
+        )
         return dataclasses.replace(
             self.full,
             **rows,

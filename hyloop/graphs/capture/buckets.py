@@ -23,12 +23,14 @@ class ArtifactKey:
     kv_len: int  # req->token columns attention reads (a kv_len bucket)
     top_cap: int = 0  # sampler candidates (0: unfiltered; ``sampler.candidate_cap``)
     num_logprobs: int = 0  # top logprobs returned per row
-    # the per-request controls: CONTROLS (penalties and logits controls) | MASKS (grammars)
+    # the per-request controls: CONTROLS (penalties and logits controls) | MASKS (grammars) |
+    # GREEDY (no row samples)
     controls: int = 0
 
     def label(self) -> str:
         mode = f", top_cap={self.top_cap}, num_logprobs={self.num_logprobs}"
-        mode += f", controls={self.controls}" if self.controls else ""
+        mode += f", controls={self.controls & 3}" if self.controls & 3 else ""
+        mode += ", greedy" if self.controls & 4 else ""
         return f"bucket(batch={self.batch}, kv_len={self.kv_len}{mode})"
 
 

@@ -233,17 +233,18 @@ inline __m512 load_scales(const uint8_t* at, bool half) {
 }
 #endif
 
-// MR rows x NP panels (starting at panel pointer `w`, `stride` bytes apart) -> tile[MR][NP][16].
+// MR rows x NP panels (starting at panel pointer `w`, `stride` bytes apart), k in [k0, k1)
+// -> tile[MR][NP][16]; `resume`: the tile holds the sums over [0, k0) to continue (a sum kept
+// in memory between k blocks is the same float, so blocking changes no result).
 template <int MR, int NP>
-inline void tile_f32(const Rows& x, int64_t m0, const uint8_t* w, int64_t stride,
-                     float (*tile)[NP][kCols]) {
-  const int64_t K = x.k;
+inline void tile_f32(const Rows& x, int64_t m0, const uint8_t* w, int64_t stride, int64_t k0,
+                     int64_t k1, bool resume, float (*tile)[NP][kCols]) {
   const float* xr = x.f32 + m0 * x.ld;
 #ifdef HYLOOP_P512
   __m512 acc[MR][NP];
   for (int m = 0; m < MR; ++m)
-    for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
+    for (int p = 0; p < NP; ++p) acc[m][p] = resume ? _mm512_loadu_ps(tile[m][p]) : _mm512_setzero_ps();
+  for (int64_t k = k0; k < k1; ++k) {
     __m512 wv[NP];
     for (int p = 0; p < NP; ++p) {
       const float* wp = reinterpret_cast<const float*>(w + p * stride);
@@ -262,8 +263,8 @@ inline void tile_f32(const Rows& x, int64_t m0, const uint8_t* w, int64_t stride
     for (int p = 0; p < NP; ++p) {
       const float* wp = reinterpret_cast<const float*>(w + p * stride);
       for (int64_t j = 0; j < kCols; ++j) {
-        float acc = 0.0f;
-        for (int64_t k = 0; k < K; ++k) acc = std::fma(xr[m * x.ld + k], wp[k * kCols + j], acc);
+        float acc = resume ? tile[m][p][j] : 0.0f;
+        for (int64_t k = k0; k < k1; ++k) acc = std::fma(xr[m * x.ld + k], wp[k * kCols + j], acc);
         tile[m][p][j] = acc;
       }
     }
@@ -271,15 +272,14 @@ inline void tile_f32(const Rows& x, int64_t m0, const uint8_t* w, int64_t stride
 }
 
 template <int MR, int NP>
-inline void tile_bf16(const Rows& x, int64_t m0, const uint8_t* w, int64_t stride,
-                      float (*tile)[NP][kCols]) {
-  const int64_t K2 = round_up(x.k, 2);
+inline void tile_bf16(const Rows& x, int64_t m0, const uint8_t* w, int64_t stride, int64_t k0,
+                      int64_t k1, bool resume, float (*tile)[NP][kCols]) {
   const c10::BFloat16* xr = x.bf16 + m0 * x.ld;
 #ifdef HYLOOP_P512_BF16
   __m512 acc[MR][NP];
   for (int m = 0; m < MR; ++m)
-    for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K2; k += 2) {
+    for (int p = 0; p < NP; ++p) acc[m][p] = resume ? _mm512_loadu_ps(tile[m][p]) : _mm512_setzero_ps();
+  for (int64_t k = k0; k < k1; k += 2) {
     __m512i wv[NP];
     for (int p = 0; p < NP; ++p) {
       const auto* wp = reinterpret_cast<const c10::BFloat16*>(w + p * stride);
@@ -301,8 +301,8 @@ inline void tile_bf16(const Rows& x, int64_t m0, const uint8_t* w, int64_t strid
     for (int p = 0; p < NP; ++p) {
       const auto* wp = reinterpret_cast<const c10::BFloat16*>(w + p * stride);
       for (int64_t j = 0; j < kCols; ++j) {
-        float acc = 0.0f;
-        for (int64_t k = 0; k < K2; k += 2) {
+        float acc = resume ? tile[m][p][j] : 0.0f;
+        for (int64_t k = k0; k < k1; k += 2) {
           acc = std::fma(static_cast<float>(xr[m * x.ld + k]),
                          static_cast<float>(wp[k * kCols + 2 * j]), acc);
           acc = std::fma(static_cast<float>(xr[m * x.ld + k + 1]),
@@ -445,8 +445,8 @@ inline void run_tile(const Weight& w, const Rows& x, int64_t m0, int64_t p,
                      float (*tile)[NP][kCols]) {
   const uint8_t* b = w.panel(p);
   switch (w.kind) {
-    case kF32: tile_f32<MR, NP>(x, m0, b, w.bytes, tile); break;
-    case kBF16: tile_bf16<MR, NP>(x, m0, b, w.bytes, tile); break;
+    case kF32: tile_f32<MR, NP>(x, m0, b, w.bytes, 0, x.k, false, tile); break;
+    case kBF16: tile_bf16<MR, NP>(x, m0, b, w.bytes, 0, round_up(x.k, 2), false, tile); break;
     case kI4: tile_i4<MR, NP>(x, m0, b, w.bytes, w.half, tile); break;
     case kI8: tile_i8<MR, NP>(x, m0, b, w.bytes, tile); break;
   }
@@ -463,13 +463,13 @@ struct Output {
   const float* bias = nullptr;
 };
 
-template <int MR, int NP>
-inline void panel_block(const Weight& w, const Rows& x, int64_t m0, int64_t p, const Output& out) {
-  alignas(64) float tile[MR][NP][kCols];
-  run_tile<MR, NP>(w, x, m0, p, tile);
+// Rows [m0, m0 + rows) of a tile for panels [p, p + NP) to their output columns.
+template <int NP>
+inline void store_tile(const Weight& w, int64_t p, int64_t m0, int64_t rows,
+                       float (*tile)[NP][kCols], const Output& out) {
   for (int q = 0; q < NP; ++q) {
     const int64_t c0 = w.col(p + q), cols = w.valid(p + q);
-    for (int m = 0; m < MR; ++m) {
+    for (int64_t m = 0; m < rows; ++m) {
       float* v = tile[m][q];
       if (out.bias != nullptr) {
         for (int64_t j = 0; j < cols; ++j) v[j] += out.bias[c0 + j];
@@ -482,6 +482,60 @@ inline void panel_block(const Weight& w, const Rows& x, int64_t m0, int64_t p, c
       }
     }
   }
+}
+
+template <int MR, int NP>
+inline void panel_block(const Weight& w, const Rows& x, int64_t m0, int64_t p, const Output& out) {
+  alignas(64) float tile[MR][NP][kCols];
+  run_tile<MR, NP>(w, x, m0, p, tile);
+  store_tile<NP>(w, p, m0, MR, tile, out);
+}
+
+// A dense tile of R rows over k in [k0, k1), continuing `tile` (R chosen at run time).
+template <int NP>
+inline void dense_rows(const Weight& w, const Rows& x, int64_t m0, int64_t R, const uint8_t* b,
+                       int64_t k0, int64_t k1, float (*tile)[NP][kCols]) {
+  const bool resume = k0 > 0;
+  switch (R) {
+#define HYLOOP_DENSE_CASE(N)                                                              \
+  case N:                                                                                 \
+    if (w.kind == kF32) {                                                                 \
+      tile_f32<N, NP>(x, m0, b, w.bytes, k0, k1, resume, tile);                            \
+    } else {                                                                              \
+      tile_bf16<N, NP>(x, m0, b, w.bytes, k0, k1, resume, tile);                           \
+    }                                                                                     \
+    break;
+    HYLOOP_DENSE_CASE(1)
+    HYLOOP_DENSE_CASE(2)
+    HYLOOP_DENSE_CASE(3)
+    HYLOOP_DENSE_CASE(4)
+    HYLOOP_DENSE_CASE(5)
+    HYLOOP_DENSE_CASE(6)
+    HYLOOP_DENSE_CASE(7)
+    HYLOOP_DENSE_CASE(8)
+#undef HYLOOP_DENSE_CASE
+    default: break;
+  }
+}
+
+// Dense panels [p, p + NP) for a few more rows than one tile holds (up to kBlockedRows): K in
+// blocks of kBlockK, every 8-row block run over a block while its weights are in L1, so each
+// weight byte comes from memory once for all the rows (one row block after another over the
+// whole of K would stream it from memory for the first and from L2 for the rest, the two
+// not overlapping).
+constexpr int64_t kBlockedRows = 32, kBlockK = 64;
+
+template <int NP>
+inline void dense_blocked(const Weight& w, const Rows& x, int64_t p, const Output& out) {
+  alignas(64) float tile[kBlockedRows][NP][kCols];
+  const uint8_t* b = w.panel(p);
+  const int64_t K = w.kind == kBF16 ? round_up(x.k, 2) : x.k;
+  for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
+    const int64_t k1 = std::min(K, k0 + kBlockK);
+    for (int64_t m0 = 0; m0 < x.m; m0 += 8)
+      dense_rows<NP>(w, x, m0, std::min<int64_t>(8, x.m - m0), b, k0, k1, tile + m0);
+  }
+  store_tile<NP>(w, p, 0, x.m, tile, out);
 }
 
 // Row blocks of up to MR rows over NP panels at a time.
@@ -511,13 +565,17 @@ inline void rows_over(const Weight& w, const Rows& x, int64_t p, const Output& o
 
 // Rows [0, x.m) times panels [p0, p1). The tile shapes: dense kinds 8 rows x 2 panels (a weight
 // vector load feeds 8 rows, a row's broadcast feeds 2 panels: the multiply-adds, not the loads,
-// set the pace), integer kinds 4 x 2 (the unpacked codes of two panels stay in registers); one
-// row runs 4 panels at once (four independent chains in flight, four weight streams).
+// set the pace; 9 to 32 rows in K blocks, ``dense_blocked``), integer kinds 4 x 2 (the unpacked
+// codes of two panels stay in registers); one row runs 4 panels at once (four independent
+// chains in flight, four weight streams).
 inline void gemm(const Weight& w, const Rows& x, int64_t p0, int64_t p1, const Output& out) {
   const bool dense = w.kind == kF32 || w.kind == kBF16;
   int64_t p = p0;
   if (x.m == 1) {
     for (; p + 4 <= p1; p += 4) rows_over<1, 4>(w, x, p, out);
+  } else if (dense && x.m > 8 && x.m <= kBlockedRows) {
+    for (; p + 2 <= p1; p += 2) dense_blocked<2>(w, x, p, out);
+    for (; p < p1; ++p) dense_blocked<1>(w, x, p, out);
   } else if (dense) {
     for (; p + 2 <= p1; p += 2) rows_over<8, 2>(w, x, p, out);
   } else {
