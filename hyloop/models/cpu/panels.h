@@ -50,6 +50,7 @@ namespace hyloop::panels {
 constexpr int64_t kCols = 16;   // output columns per panel (one 512-bit vector of float32)
 constexpr int64_t kGroup = 32;  // quantization group along K
 constexpr int64_t kPrefetch = 64;  // weight rows (k steps) prefetched ahead of the tile
+constexpr int64_t kPrefetchGroups = 4;  // the integer kinds: groups ahead
 
 enum Kind : int64_t { kF32 = 0, kBF16 = 1, kI4 = 2, kI8 = 3 };
 
@@ -332,7 +333,7 @@ inline void tile_i4(const Rows& x, int64_t m0, const uint8_t* w, int64_t stride,
     for (int p = 0; p < NP; ++p) {
       const uint8_t* b = w + p * stride + g * block;
       for (int64_t line = 0; line < block; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(b + 4 * block + line), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchGroups * block + line), _MM_HINT_T0);
       for (int c = 0; c < 4; ++c) {
         const __m512i v = _mm512_loadu_si512(b + 64 * c);
         codes[p][c] = _mm512_and_si512(v, low);
@@ -399,7 +400,7 @@ inline void tile_i8(const Rows& x, int64_t m0, const uint8_t* w, int64_t stride,
     for (int p = 0; p < NP; ++p) {
       const uint8_t* b = w + p * stride + g * block;
       for (int64_t line = 0; line < block; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(b + 2 * block + line), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchGroups * block + line), _MM_HINT_T0);
       sc[p] = _mm512_loadu_ps(b + 512);
     }
     for (int m = 0; m < MR; ++m) {
