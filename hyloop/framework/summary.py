@@ -50,6 +50,10 @@ def render_summary(llm: Any) -> str:
         for shape, by_rows in kernels["choices"].items():
             picks = "  ".join(f"{rows}:{kernel}" for rows, kernel in by_rows.items())
             lines.append(f"  {shape:<22} rows {picks}")
+        stack = kernels.get("stack")
+        if stack is not None:
+            kinds = ", ".join(f"{n} {kind}" for kind, n in stack["projections"].items())
+            lines.append(f"decoder stack  decode rows {stack['rows']} in one call ({kinds})")
     extra = s.get("lookahead_hidden_host_s")
     if extra is not None:
         lines.append(f"host hidden    {extra:.3f} s by lookahead")

@@ -85,13 +85,13 @@ class CpuKernels:
 
     def summary(self) -> dict[str, Any] | None:
         """What was measured and chosen (the run summary's ``cpu kernels`` lines)."""
-        if self.table is None:
+        if self.table is None and self.stack is None:
             return None
         chosen = {shape_key(m.weight): dict(m.kernels) for m in self.layers}
         chosen |= {m.shape_key: dict(m.kernels) for m in self.quantized}
         return {
-            "measured": self.table.measured,
-            "measure_s": round(self.table.measure_s, 2),
+            "measured": self.table.measured if self.table is not None else 0,
+            "measure_s": round(self.table.measure_s, 2) if self.table is not None else 0.0,
             "choices": chosen,
             "openmp": self.openmp,
             "stack": None if self.stack is None else self.stack.describe(),
