@@ -1,7 +1,8 @@
 """A dense model's decoder layers as one CPU operator per decode step (``cpu_decoder.cpp``).
 
 ``hyloop::decode_layers`` runs every layer of a Llama / Qwen2 / Qwen3 model for one new token
-per row, on one team of threads, its phases separated by barriers: no operator per norm,
+per row (a decode step, or a prefill of one-token chunks), on one team of threads, its phases
+separated by barriers: no operator per norm,
 projection or attention in between, no thread wake-up per kernel, and each projection read
 through its panels (the same ones the layer-by-layer path's ``hyloop::panel_linear`` reads).
 Prefill, and any model or step this does not cover, runs the layers one by one.
