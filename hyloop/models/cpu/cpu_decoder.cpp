@@ -303,6 +303,19 @@ inline std::pair<int64_t, int64_t> gemm_share(const Proj& p, const P::Rows& x, f
   return {p0, p1};
 }
 
+// A projection back to the hidden size, added to the residual on this rank's columns (the
+// projection's output rounded, then the sum, as the layers' `x + o(...)` rounds them).
+inline void gemm_residual(const Proj& p, const P::Rows& x, Workspace& ws, int64_t B, int64_t H,
+                          bool bf, int r, int t) {
+  const auto [p0, p1] = gemm_share(p, x, ws.proj.data(), H, 2, r, t);
+  const int64_t c0 = p0 * P::kCols, c1 = std::min(H, p1 * P::kCols);
+  for (int64_t b = 0; b < B; ++b) {
+    float* res = ws.resid.data() + b * H;
+    const float* y = ws.proj.data() + b * H;
+    for (int64_t c = c0; c < c1; ++c) res[c] = round_to(res[c] + round_to(y[c], bf), bf);
+  }
+}
+
 template <typename T>
 void run_layers(Stack& s, const StepInputs& in, int64_t B, int rank, hyloop::Team& team) {
   const Spec& sp = s.spec;
@@ -336,15 +349,7 @@ void run_layers(Stack& s, const StepInputs& in, int64_t B, int rank, hyloop::Tea
     }
     team.sync();
     // 4. o + residual
-    {
-      const auto [p0, p1] = gemm_share(l.o, ws.attn_rows.view(), ws.proj.data(), H, 2, rank, T_);
-      const int64_t c0 = p0 * P::kCols, c1 = std::min(H, p1 * P::kCols);
-      for (int64_t b = 0; b < B; ++b) {
-        float* x = ws.resid.data() + b * H;
-        const float* y = ws.proj.data() + b * H;
-        for (int64_t c = c0; c < c1; ++c) x[c] = round_to(x[c] + round_to(y[c], bf), bf);
-      }
-    }
+    gemm_residual(l.o, ws.attn_rows.view(), ws, B, H, bf, rank, T_);
     team.sync();
     // 5. post-attention norm -> the gate/up GEMM's rows
     for (int64_t b = rank; b < B; b += T_) {
@@ -374,15 +379,7 @@ void run_layers(Stack& s, const StepInputs& in, int64_t B, int rank, hyloop::Tea
     }
     team.sync();
     // 7. down + residual
-    {
-      const auto [p0, p1] = gemm_share(l.down, ws.down_rows.view(), ws.proj.data(), H, 2, rank, T_);
-      const int64_t c0 = p0 * P::kCols, c1 = std::min(H, p1 * P::kCols);
-      for (int64_t b = 0; b < B; ++b) {
-        float* x = ws.resid.data() + b * H;
-        const float* y = ws.proj.data() + b * H;
-        for (int64_t c = c0; c < c1; ++c) x[c] = round_to(x[c] + round_to(y[c], bf), bf);
-      }
-    }
+    gemm_residual(l.down, ws.down_rows.view(), ws, B, H, bf, rank, T_);
     team.sync();
   }
 }
