@@ -37,6 +37,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -91,7 +92,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     backends = spec.get("backends") or [spec.get("backend", "eager")]
     llms = {backend: LLM(model=spec["model"], overrides=overrides(backend)) for backend in backends}
     try:
-        best: dict[str, dict[str, float]] = {backend: {} for backend in backends}
+        rates: dict[str, dict[str, list[float]]] = {backend: {} for backend in backends}
         for backend, llm in llms.items():
             out[backend] = {
                 "linears": dict(llm.engine.derived.quantized_linears),
@@ -102,10 +103,10 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         for _ in range(spec["waves"]):
             for backend, llm in llms.items():
                 for b in batches:
-                    rate = hyloop_wave(llm, prompts[b], n)
-                    best[backend][f"b{b}"] = max(best[backend].get(f"b{b}", 0.0), rate)
-        for backend in backends:
-            out[backend].update(best[backend])
+                    rates[backend].setdefault(f"b{b}", []).append(hyloop_wave(llm, prompts[b], n))
+        for backend in backends:  # the best wave in the table; every wave in the JSON
+            out[backend].update({key: max(r) for key, r in rates[backend].items()})
+            out[backend]["waves"] = rates[backend]
     finally:
         for llm in llms.values():
             llm.close()
@@ -335,6 +336,32 @@ def print_peer_row(row: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"| {row['engine']} | {cells} |" + (f"  ({'; '.join(notes)})" if notes else ""))
 
 
+def print_compile_vs_eager(rows: list[dict[str, Any]]) -> None:
+    """compile / eager per cell from the same process's interleaved waves: the best wave's ratio
+    (the table's) and the median wave's, which a lucky wave moves less."""
+    cells: dict[str, dict[str, list[float]]] = {}
+    for row in rows:
+        if "policy" in row:  # --load: one cell per weights and quiet / busy
+            for when in ("quiet", "busy"):
+                if waves := row[when].get("waves", {}).get("b1"):
+                    cells.setdefault(f"{row['weights']} b1 {when}", {})[row["backend"]] = waves
+        elif row["engine"].startswith("hyloop "):
+            backend, _, weights = row["engine"].removeprefix("hyloop ").partition(",")
+            for dtype, result in row.items():
+                for key, waves in (
+                    result.get("waves", {}) if isinstance(result, dict) else {}
+                ).items():
+                    cells.setdefault(f"{dtype} {key}{weights}", {})[backend] = waves
+    parts = []
+    for label, by in cells.items():
+        if "compile" in by and "eager" in by:
+            c, e = by["compile"], by["eager"]
+            best, median = max(c) / max(e), statistics.median(c) / statistics.median(e)
+            parts.append(f"{label}: best {best:.2f}, median {median:.2f}")
+    if parts:
+        print("compile / eager (waves interleaved in one process): " + "; ".join(parts))
+
+
 def print_load_row(row: dict[str, Any]) -> None:
     q, b = row["quiet"].get("b1"), row["busy"].get("b1")
     ratio = f"{b / q:.2f}" if q and b else "-"
@@ -405,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("| engine | fp32 b1 | fp32 b16 | bf16 b1 | bf16 b16 |\n|---|---:|---:|---:|---:|")
         rows = peers_table(args, model)
+    print_compile_vs_eager(rows)
     result = {"bench": "peers_load" if args.load else "peers", "model": str(model), "rows": rows}
     result |= {"load_avg_start": load, "load_avg_end": os.getloadavg(), "args": vars(args)}
     write_json(result, args.json)
