@@ -24,7 +24,9 @@ tokens, batch 1 and 16; columns fp32 and bf16):
 ``--pin``: on CPU 0), for libgomp's default spinning waits and for hyloop's passive policy
 (``hyloop/omp_policy.py``), eager and compiled. Every configuration runs in its own process (the
 OpenMP policy is read when torch loads), started one after another, hyloop's backends side by
-side in one process with their waves interleaved; the table names the CPU.
+side in one process with their waves interleaved; the table names the CPU. Each figure is the
+best of ``--waves`` timed waves (llama.cpp: runs; vLLM: the fastest of its child's timings), and
+after the table compile / eager is given by the best and by the median wave.
 
     python bench/peers.py [--load] [--quick] [--json PATH]
 """
@@ -46,6 +48,10 @@ from pathlib import Path
 from typing import Any
 
 BENCH = Path(__file__).resolve().parent
+# The peers run in the environment this bench was started in: importing hyloop exports its
+# OpenMP wait policy to child processes (``omp_policy``), and llama.cpp's OpenMP threads waiting
+# passively decoded at half speed (34 against 66 tok/s, fp32 batch 1, 2-core EPYC).
+PEER_ENV = dict(os.environ)
 COLUMNS = [("float32", 1), ("float32", 16), ("bfloat16", 1), ("bfloat16", 16)]
 BUSY = "import os, sys\nif sys.argv[1] == '1': os.sched_setaffinity(0, {0})\nwhile True: pass\n"
 DEFAULT_SPIN = "300000"  # libgomp's own default, set explicitly so hyloop keeps its hands off
@@ -166,20 +172,24 @@ def llama_cpp_bin(args: argparse.Namespace) -> str | None:
 
 
 def run_llama_cpp(binary: str, gguf: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """``llama-batched-bench``'s S_TG (decode tok/s) at each batch, on all cores."""
+    """``llama-batched-bench``'s S_TG (decode tok/s) at each batch, on all cores: the best of
+    ``--waves`` runs, as hyloop's figure is its best wave (every run's rate in ``waves``)."""
     threads = str(os.cpu_count() or 1)
     npl = ",".join(map(str, args.batches))
     cmd = [binary, "-m", str(gguf), "-npp", str(args.prompt_len), "-ntg", str(args.new_tokens)]
     cmd += ["-npl", npl, "-t", threads, "-tb", threads]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode:
-        return {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-300:]}"}
-    out: dict[str, Any] = {}
-    for line in proc.stdout.splitlines():  # |  PP |  TG |  B | N_KV | T_PP s | S_PP t/s | ...
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) >= 8 and cells[2].isdigit() and re.fullmatch(r"[\d.]+", cells[-1]):
-            out[f"b{int(cells[2])}"] = float(cells[7])  # S_TG t/s
-    return out or {"error": "no table in llama-batched-bench's output"}
+    waves: dict[str, list[float]] = {}
+    for _ in range(args.waves):
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=PEER_ENV)
+        if proc.returncode:
+            return {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-300:]}"}
+        for line in proc.stdout.splitlines():  # |  PP |  TG |  B | N_KV | T_PP s | S_PP t/s | ...
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if len(cells) >= 8 and cells[2].isdigit() and re.fullmatch(r"[\d.]+", cells[-1]):
+                waves.setdefault(f"b{int(cells[2])}", []).append(float(cells[7]))  # S_TG t/s
+    if not waves:
+        return {"error": "no table in llama-batched-bench's output"}
+    return {**{key: max(rates) for key, rates in waves.items()}, "waves": waves}
 
 
 def vllm_python(args: argparse.Namespace) -> str | None:
@@ -229,7 +239,7 @@ def run_vllm(
     spec = {"model": hf_dir, "dtype": dtype, "batches": args.batches, "prompts": prompts}
     spec |= {"prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
     cpus = f"0-{(os.cpu_count() or 1) - 1}"  # its default keeps a core for the engine process
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cpus, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {**PEER_ENV, "VLLM_CPU_OMP_THREADS_BIND": cpus, "VLLM_CPU_KVCACHE_SPACE": "1"}
     if preload := vllm_preload(python):
         env["LD_PRELOAD"] = preload
     with tempfile.TemporaryDirectory() as tmp:  # vLLM spawns processes: a script file, guarded
