@@ -58,8 +58,9 @@ class ModelSection(_Section):
     )
     cpu_ops: Literal["auto"] | bool = Field(
         "auto",
-        description="CPU: hyloop's C++ kernels (decode attention over the paged pool, a "
-        "sampler's top-k, the packed GEMM called from compiled steps), kept under "
+        description="CPU: hyloop's C++ kernels (panel GEMMs, the decoder stack, decode "
+        "attention over the paged pool, a sampler's top-k, the packed GEMM called from compiled "
+        "steps), kept under "
         "$HYLOOP_CACHE_DIR/cpu_ops: true builds them now if needed (once per machine); "
         "auto uses them when built and otherwise builds them in the background for later "
         "runs; false: plain torch ops",
