@@ -106,8 +106,9 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             }
             for b in batches:
                 hyloop_wave(llm, prompts[b], 4)  # warm-up: captures, first-call allocations
-        for _ in range(spec["waves"]):
-            for backend, llm in llms.items():
+        order = list(llms.items())
+        for wave in range(spec["waves"]):  # each backend first in every other wave: no order bias
+            for backend, llm in order if wave % 2 == 0 else order[::-1]:
                 for b in batches:
                     rates[backend].setdefault(f"b{b}", []).append(hyloop_wave(llm, prompts[b], n))
         for backend in backends:  # the best wave in the table; every wave in the JSON
