@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ from row_lm import RowCausalLM  # noqa: F401  (registers HyloopRowLM)
 
 from hyloop.graphs.step_batch import StepBatch, StepPools
 from hyloop.models.cpu import cpu_ops
+from hyloop.models.cpu.kernel_choice import KernelTable
 from hyloop.models.layers.attention import TorchPath
 
 
@@ -20,6 +22,24 @@ def pytest_configure(config: pytest.Config) -> None:
     # every engine of the session takes the same path (``model.cpu_ops=auto`` would otherwise
     # leave a fresh machine's whole session on torch ops while a background build runs).
     cpu_ops.ensure_loaded(build=True)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _kernel_timings_stay_in_the_session(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[None]:
+    """Kernel timings taken here (test workers share the cores) go to a table of this session,
+    never to the machine's under ``$HYLOOP_CACHE_DIR/kernels``: a later job there would choose its
+    kernels from timings measured under contention. A test that names a table root keeps it."""
+    root = tmp_path_factory.mktemp("kernel_table")
+    load = KernelTable.load.__func__  # type: ignore[attr-defined]
+
+    def session_load(cls: type[KernelTable], where: Path | None = None) -> KernelTable:
+        return load(cls, where if where is not None else root)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(KernelTable, "load", classmethod(session_load))
+        yield
 
 
 def make_batch(
