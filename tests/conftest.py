@@ -13,7 +13,6 @@ from row_lm import RowCausalLM  # noqa: F401  (registers HyloopRowLM)
 
 from hyloop.graphs.step_batch import StepBatch, StepPools
 from hyloop.models.cpu import cpu_ops
-from hyloop.models.cpu.kernel_choice import KernelTable
 from hyloop.models.layers.attention import TorchPath
 
 
@@ -30,15 +29,10 @@ def _kernel_timings_stay_in_the_session(
 ) -> Iterator[None]:
     """Kernel timings taken here (test workers share the cores) go to a table of this session,
     never to the machine's under ``$HYLOOP_CACHE_DIR/kernels``: a later job there would choose its
-    kernels from timings measured under contention. A test that names a table root keeps it."""
-    root = tmp_path_factory.mktemp("kernel_table")
-    load = KernelTable.load.__func__  # type: ignore[attr-defined]
-
-    def session_load(cls: type[KernelTable], where: Path | None = None) -> KernelTable:
-        return load(cls, where if where is not None else root)
-
+    kernels from timings measured under contention. The variable reaches the processes tests
+    start (the CLI's); a test that names a table root keeps it."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(KernelTable, "load", classmethod(session_load))
+        mp.setenv("HYLOOP_KERNEL_TABLE_DIR", str(tmp_path_factory.mktemp("kernel_table")))
         yield
 
 

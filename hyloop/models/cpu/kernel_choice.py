@@ -14,8 +14,9 @@ at every row count its steps will run (the batch buckets, a prefill chunk) and t
 Only the candidates that exist here are timed: no ``packed`` where oneDNN cannot pack the dtype
 (bfloat16 without AVX-512-BF16 or AMX), no ``tiled`` without the CPU kernels.
 
-Choices are kept in ``$HYLOOP_CACHE_DIR/kernels/<machine>.json`` (keyed by CPU model and flags,
-torch version and thread count), so a later run here measures nothing. Eager and captured steps
+Choices are kept in ``$HYLOOP_CACHE_DIR/kernels/<machine>.json`` (``$HYLOOP_KERNEL_TABLE_DIR``
+moves them; keyed by CPU model and flags, torch version and thread count), so a later run here
+measures nothing. Eager and captured steps
 read the same choice for the same rows, so both compute the same thing.
 """
 
@@ -59,6 +60,14 @@ def cache_dir() -> Path:
     """hyloop's cache directory: ``$HYLOOP_CACHE_DIR``, else ``~/.cache/hyloop``."""
     env = os.environ.get("HYLOOP_CACHE_DIR")
     return Path(env) if env else Path.home() / ".cache" / "hyloop"
+
+
+def table_dir() -> Path:
+    """Where this machine's kernel timings live: ``$HYLOOP_KERNEL_TABLE_DIR``, else
+    ``cache_dir() / "kernels"`` (a test suite points it elsewhere: timings taken on shared cores
+    must not become the machine's choices)."""
+    env = os.environ.get("HYLOOP_KERNEL_TABLE_DIR")
+    return Path(env) if env else cache_dir() / "kernels"
 
 
 def cpu_description() -> dict[str, str]:
@@ -151,10 +160,10 @@ class KernelTable:
 
     @classmethod
     def load(cls, root: Path | None = None) -> KernelTable:
-        """This machine's table under ``root`` (default ``cache_dir()``); empty when absent or
-        unreadable (a corrupt file is measured again, never trusted)."""
+        """This machine's table under ``root / "kernels"`` (default ``table_dir()``); empty when
+        absent or unreadable (a corrupt file is measured again, never trusted)."""
         machine = machine_key()
-        path = (root or cache_dir()) / "kernels" / f"{machine}.json"
+        path = (root / "kernels" if root is not None else table_dir()) / f"{machine}.json"
         table = cls(machine, path=path)
         try:
             data = json.loads(path.read_text())

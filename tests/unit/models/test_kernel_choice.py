@@ -104,3 +104,17 @@ def test_every_kernel_computes_the_linear(kernel: str, dtype: torch.dtype) -> No
             if shape[0] == 1:
                 step = torch.compile(lambda t: layer(t) * 1, fullgraph=True, dynamic=False)
                 torch.testing.assert_close(step(x).float(), ref, atol=tol, rtol=tol)
+
+
+def test_the_table_lives_where_its_variable_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HYLOOP_KERNEL_TABLE_DIR", str(tmp_path / "elsewhere"))
+    table = KernelTable.load()
+    assert table.path == tmp_path / "elsewhere" / f"{machine_key()}.json"
+    table.entries["float32 8x8"] = {1: {"tiled": 1.0}}
+    table.save()
+    assert KernelTable.load().entries == table.entries
+    monkeypatch.delenv("HYLOOP_KERNEL_TABLE_DIR")
+    monkeypatch.setenv("HYLOOP_CACHE_DIR", str(tmp_path / "cache"))
+    assert KernelTable.load().path == tmp_path / "cache" / "kernels" / f"{machine_key()}.json"
