@@ -5,7 +5,7 @@ per row (a decode step, or a prefill of one-token chunks), on one team of thread
 separated by barriers: no operator per norm,
 projection or attention in between, no thread wake-up per kernel, and each projection read
 through its panels (the same ones the layer-by-layer path's ``hyloop::panel_linear`` reads).
-Prefill, and any model or step this does not cover, runs the layers one by one.
+Longer prefill chunks, and any model or step this does not cover, run the layers one by one.
 
 It is the ``stack`` of the CPU compute path (``layers.attention.backends.NativePath``), built at
 assembly when ``model.cpu_stack`` allows it; ``DecoderLM.forward`` hands it decode steps. The
@@ -149,7 +149,7 @@ class DecoderStack:
         return self.choice[min(above) if above else max(self.choice)]
 
     def __call__(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        """The layers' output ``[B, 1, H]`` for embedded tokens ``x [B, 1, H]`` (decode)."""
+        """The layers' output ``[B, 1, H]`` for embedded tokens ``x [B, 1, H]`` (one per row)."""
         b = x.shape[0]
         pool = batch.pools.kv
         meta = attention_meta(batch, None, False)
