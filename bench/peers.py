@@ -66,7 +66,7 @@ DEFAULT_SPIN = "300000"  # libgomp's own default, set explicitly so hyloop keeps
 
 def child(spec: dict[str, Any]) -> dict[str, Any]:
     """One engine on one configuration, in this (fresh) process; hyloop's backends side by side
-    in it (``spec["backends"]``), their waves interleaved, so that the machine's drift between
+    in it (``spec["backends"]``), their waves in pairs, so that the machine's drift between
     processes (memory bandwidth here moves by tens of percent) does not split them."""
     importlib.import_module("hyloop")  # first: its OpenMP wait policy is set before torch loads
     import torch
@@ -387,7 +387,7 @@ def compare_waves(compile_waves: list[float], eager_waves: list[float]) -> dict[
 
 
 def compile_vs_eager(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """``compare_waves`` per cell, from each process's interleaved waves."""
+    """``compare_waves`` per cell, from each process's paired waves."""
     cells: dict[str, dict[str, list[float]]] = {}
     for row in rows:
         if "policy" in row:  # --load: one cell per weights and quiet / busy
