@@ -54,7 +54,23 @@ def _ppl_and_formats(path: Path, weights: str) -> tuple[float, dict[str, int], l
         assert out.prompt_logprobs is not None
         nll = [-lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], ids[1:], strict=True) if lp]
         formats = dict(llm.engine.derived.quantized_linears)
+        _one_copy_each(llm)
         return math.exp(sum(nll) / len(nll)), formats, out.outputs[0].token_ids
+
+
+def _one_copy_each(llm: LLM) -> None:
+    """Each int layer holds its weight once: the copy its measured kernel reads (and the panels
+    a decoder stack reads)."""
+    kernels = llm.engine.kind.kernels
+    if kernels is None or not kernels.native or not kernels.measured:
+        return
+    for layer in kernels.quantized:
+        if layer.kernel(1) == "tiled":
+            assert all(b is None for b in layer.aten_buffers()), layer.shape_key
+        elif kernels.stack is None:
+            assert layer.panels is None and layer.panel_data is None, layer.shape_key
+    if kernels.quantized and kernels.stack is None:
+        assert kernels.released_bytes > 0
 
 
 def test_smollm2_q4_1_runs_int4_within_two_percent(gguf_path: Path) -> None:

@@ -73,6 +73,12 @@ class CpuKernels:
                 self.stack.choice = choose_stack_rows(model, self.stack, [1, *rows], self.table)
                 if not any(self.stack.choice.values()):
                     self.stack = None
+        # Each weight-only layer's kernel is chosen for good (one for every row count): the copy
+        # of its weight only the other kernel reads goes.
+        self.released_bytes = 0
+        if self.native and measure:
+            keep = self.stack is not None
+            self.released_bytes = sum(m.release_unused(keep_panels=keep) for m in self.quantized)
 
     @property
     def measured(self) -> bool:
@@ -95,6 +101,7 @@ class CpuKernels:
             "choices": chosen,
             "openmp": self.openmp,
             "stack": None if self.stack is None else self.stack.describe(),
+            "released_mb": round(self.released_bytes / 2**20, 1),
         }
 
 

@@ -350,9 +350,16 @@ def calibrate(
     return table
 
 
+def quantized_kernels(layer: Any) -> tuple[str, ...]:
+    """What a weight-only layer can run: torch's kernel and, where it has panels, hyloop's; less
+    the one whose copy of the weight it dropped (``release_unused``)."""
+    here = QUANT_KERNELS if layer.panels is not None else ("aten",)
+    return tuple(k for k in here if k != layer.released)
+
+
 def _quantized_candidates(copies: list[Any], x: torch.Tensor) -> dict[str, Callable[[], object]]:
-    """A weight-only layer's kernels (hyloop's only where it has panels), each call on the
-    next of ``copies``."""
+    """A weight-only layer's kernels (``quantized_kernels``), each call on the next of
+    ``copies``."""
     turn = itertools.count()
 
     def aten() -> object:
@@ -362,7 +369,8 @@ def _quantized_candidates(copies: list[Any], x: torch.Tensor) -> dict[str, Calla
     def tiled() -> object:
         return copies[next(turn) % len(copies)].tiled(x)
 
-    return {"aten": aten, "tiled": tiled} if copies[0].panels is not None else {"aten": aten}
+    kernels = {"aten": aten, "tiled": tiled}
+    return {k: kernels[k] for k in quantized_kernels(copies[0])}
 
 
 def calibrate_quantized(
@@ -387,8 +395,7 @@ def calibrate_quantized(
             copies: list[Any] = []
             for r in sorted(set(rows)):
                 known = by_rows.get(r, {})
-                wanted = QUANT_KERNELS if layer.panels is not None else ("aten",)
-                if all(k in known for k in wanted):
+                if all(k in known for k in quantized_kernels(layer)):
                     continue
                 if not copies:
                     size = sum(b.numel() * b.element_size() for b in layer.buffers())
@@ -407,7 +414,7 @@ def calibrate_quantized(
         except OSError as e:
             log.warning("hyloop: could not keep kernel choices in %s: %s", table.path, e)
     for layer in layers:
-        kernels = QUANT_KERNELS if layer.panels is not None else ("aten",)
+        kernels = quantized_kernels(layer)
         layer.set_kernels(_one_for_all_rows(table.entries.get(layer.shape_key, {}), kernels))
     return table
 

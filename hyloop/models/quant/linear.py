@@ -65,8 +65,10 @@ class WeightOnlyLinear(nn.Module, ABC):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self.kernels: tuple[tuple[int, str], ...] = ()  # (rows, "aten" | "tiled"), ascending
         self.panels: Panels | None = None
+        self.released: str | None = None  # the kernel whose copy ``release_unused`` dropped
 
     kind: str = ""  # "int4" | "int8": the kernel table's shape key prefix
+    aten_buffer_names: tuple[str, ...] = ()  # the buffers torch's kernel reads
 
     @abstractmethod
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -77,9 +79,9 @@ class WeightOnlyLinear(nn.Module, ABC):
         """The weight as panels (``attach_panels``), from the buffers that hold it; None where
         the panels cannot take its shape."""
 
-    @abstractmethod
     def aten_buffers(self) -> tuple[torch.Tensor, ...]:
         """The buffers torch's kernel reads (``nbytes`` of a step on that path)."""
+        return tuple(getattr(self, name) for name in self.aten_buffer_names)
 
     def attach_panels(self) -> None:
         """Pack the weight as panels for hyloop's kernels (once they are loaded): the ``tiled``
@@ -109,11 +111,34 @@ class WeightOnlyLinear(nn.Module, ABC):
         ``kernels`` maps each measured row count to its choice; all must agree."""
         if len(set(kernels.values())) > 1:
             raise ValueError(f"{self.shape_key}: one kernel for every row count, not {kernels}")
+        if self.released in kernels.values():
+            raise ValueError(f"{self.shape_key}: the weight's {self.released} copy was released")
         self.kernels = tuple(sorted(kernels.items()))
 
     def kernel(self, rows: int) -> str:
         """The measured kernel (the same for every row count); unmeasured, torch's."""
         return self.kernels[0][1] if self.kernels else "aten"
+
+    def release_unused(self, keep_panels: bool) -> int:
+        """Once the kernel is chosen for good: drop the weight's copy only the other kernel reads
+        (torch's packed codes and scales, or the panels unless ``keep_panels``: a decoder stack
+        reads them), so the layer holds the file's bytes once; returns the bytes dropped. The
+        choice is then fixed: ``set_kernels`` refuses the dropped kernel."""
+        if not self.kernels or self.released is not None:
+            return 0  # unmeasured: the choice could still change
+        if self.kernel(1) == "tiled":
+            names, self.released = self.aten_buffer_names, "aten"
+        elif self.panels is not None and not keep_panels:
+            names, self.released, self.panels = ("panel_data",), "tiled", None
+        else:
+            return 0
+        freed = 0
+        for name in names:
+            buf = self._buffers[name]
+            assert buf is not None
+            freed += buf.numel() * buf.element_size()
+            self._buffers[name] = None
+        return freed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
@@ -141,6 +166,7 @@ class WeightOnlyLinear(nn.Module, ABC):
 
 class Int4Linear(WeightOnlyLinear):
     kind = "int4"
+    aten_buffer_names = ("packed", "scales_zeros")
 
     def __init__(
         self, groups: Int4Groups, bias: torch.Tensor | None = None, split: int = 0
@@ -183,15 +209,13 @@ class Int4Linear(WeightOnlyLinear):
         self._source = None
         return panels
 
-    def aten_buffers(self) -> tuple[torch.Tensor, ...]:
-        return (self.packed, self.scales_zeros)
-
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, group={self.group}"
 
 
 class Int8Linear(WeightOnlyLinear):
     kind = "int8"
+    aten_buffer_names = ("codes", "scales")
 
     def __init__(self, rows: Int8Rows, bias: torch.Tensor | None = None, split: int = 0) -> None:
         n, k = rows.codes.shape
@@ -209,6 +233,3 @@ class Int8Linear(WeightOnlyLinear):
         if self.in_features % INT4_GROUP:
             return None  # int8 panels hold whole groups of 32
         return Panels.int8(Int8Rows(self.codes, self.scales_f32), self.split)
-
-    def aten_buffers(self) -> tuple[torch.Tensor, ...]:
-        return (self.codes, self.scales)

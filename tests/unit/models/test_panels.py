@@ -198,6 +198,43 @@ def test_quantized_layers_run_one_measured_kernel_at_every_row_count(
         layer.set_kernels({1: "tiled", 16: "aten"})
 
 
+def test_a_chosen_kernel_keeps_one_copy_of_the_weight(tmp_path) -> None:  # noqa: ANN001
+    """Once its kernel is chosen, a weight-only layer drops the copy only the other kernel
+    reads (torch's packed codes, or panels no decoder stack needs); its output does not move,
+    and no later choice can pick the dropped kernel."""
+    torch.manual_seed(0)
+    q4 = Int4Linear(int4_from_dense(torch.randn(64, 128)))
+    q4.attach_panels()
+    x = torch.randn(5, 128)
+    assert q4.release_unused(keep_panels=False) == 0  # unmeasured: nothing is dropped
+    q4.set_kernels({1: "tiled", 4: "tiled"})
+    before = q4(x)
+    aten_bytes = sum(b.numel() * b.element_size() for b in q4.aten_buffers())
+    assert q4.release_unused(keep_panels=False) == aten_bytes > 0
+    assert q4.packed is None and q4.scales_zeros is None and q4.panels is not None
+    assert {name for name, _ in q4.named_buffers()} == {"panel_data"}
+    torch.testing.assert_close(q4(x), before, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="aten copy was released"):
+        q4.set_kernels({1: "aten"})
+    # A later calibration (another engine over the same model) measures only what is left.
+    calibrate_quantized([q4], [1, 8], table=KernelTable.load(tmp_path))
+    assert {k for _, k in q4.kernels} == {"tiled"}
+    torch.testing.assert_close(q4(x), before, rtol=0, atol=0)
+
+    q8 = Int8Linear(int8_from_dense(torch.randn(64, 128)))
+    q8.attach_panels()
+    q8.set_kernels({1: "aten", 4: "aten"})
+    before = q8(x)
+    assert q8.release_unused(keep_panels=True) == 0  # a decoder stack reads the panels
+    assert q8.panels is not None
+    panel_bytes = q8.panels.nbytes
+    assert q8.release_unused(keep_panels=False) == panel_bytes > 0
+    assert q8.panels is None and q8.panel_data is None
+    torch.testing.assert_close(q8(x), before, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="tiled copy was released"):
+        q8.set_kernels({1: "tiled"})
+
+
 def test_panels_are_attached_once_and_need_whole_groups() -> None:
     q4 = Int4Linear(int4_from_dense(torch.randn(32, 64)))
     with pytest.raises(RuntimeError, match="attach_panels"):
