@@ -18,6 +18,7 @@ from hyloop.cache.unified import build_cache
 from hyloop.framework.config import EngineConfig
 from hyloop.framework.engine import Engine
 from hyloop.framework.engine_args import kv_budget_bytes
+from hyloop.framework.host_memory import trim_heap
 from hyloop.framework.pipeline import StepPipeline
 from hyloop.framework.reuse import PositionIndependentReuse
 from hyloop.framework.sampling_params import generation_defaults
@@ -212,7 +213,9 @@ def build_engine(cfg: EngineConfig, loaded: LoadedModel | None = None) -> Engine
         cpu_kernels=cpu.summary() if cpu is not None else None,
     )
     log.info("hyloop assembly: %s", asdict(derived))
-    return Engine(cfg, derived, model, tokenizer, kind, graphs, pipeline, recorder)
+    engine = Engine(cfg, derived, model, tokenizer, kind, graphs, pipeline, recorder)
+    trim_heap()  # the load's temporaries, freed, leave the process (``host_memory``)
+    return engine
 
 
 def step_kind_for(contract: ModelContract) -> type[StepKind]:
