@@ -12,9 +12,10 @@ For each it reports the perplexity of a held text (its ``prompt_logprobs``: once
 and once one position per step, ``ppl 1row``, where every Linear runs its decode kernel), the
 greedy agreement with dequantized float32 (16 prompts x ``--new-tokens`` greedy tokens: the mean
 share of tokens before the first divergence, and how many sequences are equal), the bytes of
-weights a step reads, and decode tok/s (prefill excluded, best of a few waves) at batch 1 and 16
-for each backend. The table names the CPU; timings on a shared machine are noisy, so compare the
-ratios within one run.
+weights a step reads and the bytes the model holds (``holds``: every copy of its weights, as
+the measured kernels left them, and its tables), and decode tok/s (prefill excluded, best of a
+few waves) at batch 1 and 16 for each backend. The table names the CPU; timings on a shared
+machine are noisy, so compare the ratios within one run.
 
     python bench/quantized.py [--models smollm2,gemma] [--backends eager,compile] [--json PATH]
 """
@@ -140,6 +141,7 @@ def bench_model(name: str, path: Path, args: argparse.Namespace) -> list[dict[st
             ) as llm:
                 row["load_s"] = round(time.perf_counter() - t0, 1)
                 row["weight_mb"] = llm.engine.derived.weight_bytes / 1e6
+                row["held_mb"] = held_bytes(llm.engine.model) / 1e6
                 row["linears"] = dict(llm.engine.derived.quantized_linears)
                 if i == 0:
                     assert llm.tokenizer is not None
@@ -164,6 +166,24 @@ def bench_model(name: str, path: Path, args: argparse.Namespace) -> list[dict[st
     return rows
 
 
+def held_bytes(model: torch.nn.Module) -> int:
+    """What the model holds: its parameters and buffers (dense weights, int codes and scales,
+    panels, tables) and oneDNN's packed copies, each storage once."""
+    from hyloop.models.cpu.packed_linear import PackedLinear
+
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [
+        m.packed for m in model.modules() if isinstance(m, PackedLinear) and m.packed is not None
+    ]
+    sizes: dict[int, int] = {}
+    for t in tensors:
+        if t.is_mkldnn:  # opaque: no storage to share
+            sizes[id(t)] = t.numel() * t.element_size()
+        else:
+            sizes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(sizes.values())
+
+
 def print_row(row: dict[str, Any], args: argparse.Namespace, ref: dict[str, Any]) -> None:
     b = args.backends[0]
     speeds = " ".join(
@@ -174,7 +194,8 @@ def print_row(row: dict[str, Any], args: argparse.Namespace, ref: dict[str, Any]
     ppl_rel = 100 * (row["ppl"] / ref["ppl"] - 1)
     rows1_rel = 100 * (row["ppl_rows1"] / ref["ppl_rows1"] - 1)
     print(
-        f"{row['model']:>8} {row['variant']:>18} {row['weight_mb']:>7.0f} {row['ppl']:>7.2f} "
+        f"{row['model']:>8} {row['variant']:>18} {row['weight_mb']:>7.0f} {row['held_mb']:>7.0f} "
+        f"{row['ppl']:>7.2f} "
         f"{ppl_rel:>+6.2f}% {row['ppl_rows1']:>7.2f} {rows1_rel:>+6.2f}% "
         f"{100 * row[f'{b}_agree']:>6.1f}% {row[f'{b}_equal']:>6} {speeds}",
         flush=True,
@@ -184,7 +205,8 @@ def print_row(row: dict[str, Any], args: argparse.Namespace, ref: dict[str, Any]
 def header(args: argparse.Namespace) -> str:
     speeds = " ".join(f"{f'{be[:7]} b{n}':>9}" for be in args.backends for n in args.batches)
     return (
-        f"{'model':>8} {'variant':>18} {'MB':>7} {'ppl':>7} {'vs fp32':>7} {'ppl 1row':>7} "
+        f"{'model':>8} {'variant':>18} {'reads MB':>7} {'holds MB':>7} {'ppl':>7} {'vs fp32':>7} "
+        f"{'ppl 1row':>7} "
         f"{'vs fp32':>7} {'agree':>7} "
         f"{'equal':>6} {speeds}"
     )
