@@ -73,12 +73,14 @@ class CpuKernels:
                 self.stack.choice = choose_stack_rows(model, self.stack, [1, *rows], self.table)
                 if not any(self.stack.choice.values()):
                     self.stack = None
-        # Each weight-only layer's kernel is chosen for good (one for every row count): the copy
-        # of its weight only the other kernel reads goes.
+        # The kernels are chosen: a weight-only layer's for good (one for every row count), and
+        # the copy of its weight only the other kernel reads goes; so do a dense layer's panels
+        # where no row count and no stack reads them.
         self.released_bytes = 0
         if self.native and measure:
             keep = self.stack is not None
-            self.released_bytes = sum(m.release_unused(keep_panels=keep) for m in self.quantized)
+            layers: list[Any] = [*self.quantized, *self.layers]
+            self.released_bytes = sum(m.release_unused(keep_panels=keep) for m in layers)
 
     @property
     def measured(self) -> bool:

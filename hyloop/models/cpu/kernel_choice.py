@@ -346,6 +346,8 @@ def calibrate(
         log.info("hyloop: timed %d kernel choices in %.1f s", table.measured, table.measure_s)
     for layer in layers:
         here = [k for k in allowed if k in kernels_here(layer.weight, tiled)]
+        if layer.panels is None:  # never made, or released (``release_unused``)
+            here = [k for k in here if k != "tiled"]
         layer.set_kernels(table.choices(shape_key(layer.weight), here))
     return table
 

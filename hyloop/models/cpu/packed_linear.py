@@ -149,6 +149,17 @@ class PackedLinear(nn.Module):
         self.kernels = tuple(sorted(kernels.items()))
         self.kernels_key = ",".join(f"{rows}:{kernel}" for rows, kernel in self.kernels)
 
+    def release_unused(self, keep_panels: bool) -> int:
+        """Once the kernels are measured: drop the panels where no row count runs them and no
+        decoder stack reads them (``keep_panels``); returns the bytes dropped. A later choice
+        no longer offers ``tiled`` (``kernel_choice.calibrate``)."""
+        tiled = any(kernel == "tiled" for _, kernel in self.kernels)
+        if keep_panels or tiled or not self.kernels or self.panels is None:
+            return 0
+        freed = self.panel_data.numel() * self.panel_data.element_size()
+        self.panels, self._buffers["panel_data"] = None, None
+        return freed
+
     def kernel(self, rows: int, compiled: bool) -> str:
         """The measured kernel for ``rows`` rows; unmeasured, the packed GEMM (the GEMV for one
         row of a compiled step)."""

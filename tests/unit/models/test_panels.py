@@ -235,6 +235,31 @@ def test_a_chosen_kernel_keeps_one_copy_of_the_weight(tmp_path) -> None:  # noqa
         q8.set_kernels({1: "tiled"})
 
 
+def test_dense_panels_no_kernel_reads_are_dropped(tmp_path) -> None:  # noqa: ANN001
+    """A dense layer keeps its panels only where a row count runs them or a decoder stack reads
+    them; once dropped, no later choice offers them, however fast the table says they were."""
+    torch.manual_seed(0)
+    layer = PackedLinear(nn.Linear(512, 256), panels=True)
+    assert layer.release_unused(keep_panels=False) == 0  # unmeasured
+    x = torch.randn(3, 512)
+    layer.set_kernels({1: "tiled", 4: "packed"})
+    assert layer.release_unused(keep_panels=False) == 0  # one row runs them
+    layer.set_kernels({1: "packed", 4: "linear"})
+    before = layer(x)
+    assert layer.release_unused(keep_panels=True) == 0  # a stack reads them
+    panel_bytes = layer.panel_data.numel() * layer.panel_data.element_size()
+    assert layer.release_unused(keep_panels=False) == panel_bytes > 0
+    assert layer.panels is None and layer.panel_data is None
+    torch.testing.assert_close(layer(x), before, rtol=0, atol=0)
+    table = KernelTable.load(tmp_path)
+    table.entries["float32 256x512"] = {
+        r: {"linear": 100.0, "packed": 90.0, "tiled": 1.0} for r in (1, 4)
+    }
+    calibrate([layer], [1, 4], with_gemv=False, tiled=True, table=table)
+    assert dict(layer.kernels) == {1: "packed", 4: "packed"}
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
 def test_panels_are_attached_once_and_need_whole_groups() -> None:
     q4 = Int4Linear(int4_from_dense(torch.randn(32, 64)))
     with pytest.raises(RuntimeError, match="attach_panels"):
