@@ -34,15 +34,3 @@ def trim_heap() -> bool:
         return False
     trim(0)
     return True
-
-
-def resident_anon_bytes() -> int:
-    """This process's resident anonymous memory (``RssAnon``), 0 where ``/proc`` lacks it."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0

@@ -28,7 +28,7 @@ from torch import nn
 from torch._decomp import register_decomposition
 from torch._inductor.decomposition import decompositions as inductor_decompositions
 
-from hyloop.models.cpu.panels import Panels, gate_up_split
+from hyloop.models.cpu.panels import Panels, drop_buffers, gate_up_split
 
 _PACKED: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
 _HANDLES = itertools.count(1)
@@ -156,9 +156,8 @@ class PackedLinear(nn.Module):
         tiled = any(kernel == "tiled" for _, kernel in self.kernels)
         if keep_panels or tiled or not self.kernels or self.panels is None:
             return 0
-        freed = self.panel_data.numel() * self.panel_data.element_size()
-        self.panels, self._buffers["panel_data"] = None, None
-        return freed
+        self.panels = None
+        return drop_buffers(self, ("panel_data",))
 
     def kernel(self, rows: int, compiled: bool) -> str:
         """The measured kernel for ``rows`` rows; unmeasured, the packed GEMM (the GEMV for one

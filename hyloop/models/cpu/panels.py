@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 if TYPE_CHECKING:  # (quant's layers import this module)
     from hyloop.models.quant.formats import Int4Groups, Int8Rows
@@ -75,3 +76,15 @@ def _exact_in_fp16(t: torch.Tensor) -> bool:
 def gate_up_split(name: str, out_features: int) -> int:
     """The ``split`` a Linear named ``name`` packs with: half its rows for a fused gate/up."""
     return out_features // 2 if name.rpartition(".")[2] == "gate_up_proj" else 0
+
+
+def drop_buffers(module: nn.Module, names: tuple[str, ...]) -> int:
+    """Free ``module``'s buffers ``names`` (each reads as None afterwards: a weight copy its chosen
+    kernels no longer need, ``release_unused``); returns the bytes freed."""
+    freed = 0
+    for name in names:
+        buf = module._buffers[name]
+        assert buf is not None, f"{name} was already dropped"
+        freed += buf.numel() * buf.element_size()
+        module._buffers[name] = None
+    return freed

@@ -26,7 +26,7 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
-from hyloop.models.cpu.panels import Panels
+from hyloop.models.cpu.panels import Panels, drop_buffers
 from hyloop.models.quant.formats import INT4_GROUP, Int4Groups, Int8Rows
 
 ACT_DTYPE = torch.bfloat16  # the dtype both kernels have vectorised paths for
@@ -132,13 +132,7 @@ class WeightOnlyLinear(nn.Module, ABC):
             names, self.released, self.panels = ("panel_data",), "tiled", None
         else:
             return 0
-        freed = 0
-        for name in names:
-            buf = self._buffers[name]
-            assert buf is not None
-            freed += buf.numel() * buf.element_size()
-            self._buffers[name] = None
-        return freed
+        return drop_buffers(self, names)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)

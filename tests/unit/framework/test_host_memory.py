@@ -11,9 +11,18 @@ import torch
 
 from hyloop.framework import assembly
 from hyloop.framework.config import load_config
-from hyloop.framework.host_memory import resident_anon_bytes, trim_heap
+from hyloop.framework.host_memory import trim_heap
 
 MB = 1 << 20
+
+
+def resident_anon_bytes() -> int:
+    """This process's resident anonymous memory (``RssAnon`` of ``/proc/self/status``)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("/proc/self/status has no RssAnon line")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
