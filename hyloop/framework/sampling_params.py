@@ -22,6 +22,11 @@ class RequestOutputKind(enum.IntEnum):
 
 _KIND_NAMES = {k.name.lower(): k for k in RequestOutputKind}
 SAMPLING_EPS = 1e-5  # a temperature below this is greedy (vLLM's rule)
+# Per-request values reach the step as float32 / int32 tensors: a value past these would not
+# convert, so it is refused by name here, never as a failed tensor copy later.
+FLOAT32_MAX = 3.4028234663852886e38
+INT32_MAX = 2**31 - 1
+MAX_N = 1000  # samples per request
 # Fields a request may carry whose control hyloop does not run: each one names itself when
 # set away from this (vLLM's) neutral value. (Per-request Python logits processors would put
 # host code inside the captured step; vLLM v1 dropped the per-request field as well.)
@@ -138,8 +143,9 @@ class SamplingParams:
 
     @property
     def filter_top_k(self) -> int:
-        """``top_k`` as the sampler reads it (-1: off)."""
-        return -1 if self.top_k in (0, -1) or self.greedy else self.top_k
+        """``top_k`` as the sampler reads it (-1: off); one above the vocabulary keeps it whole,
+        so a value past int32 is clipped there."""
+        return -1 if self.top_k in (0, -1) or self.greedy else min(self.top_k, INT32_MAX)
 
     @property
     def filter_top_p(self) -> float:
@@ -166,8 +172,8 @@ class SamplingParams:
             )
         if self.max_tokens is not None and (not _integer(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", self.max_tokens, "None or an int >= 1")
-        if not _integer(self.n) or self.n < 1:
-            raise bad("n", self.n, "an int >= 1")
+        if not _integer(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad("n", self.n, f"an int in [1, {MAX_N}]")
         if self.best_of is not None and (not _integer(self.best_of) or self.best_of < self.n):
             raise bad("best_of", self.best_of, f"None or an int >= n ({self.n})")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -175,16 +181,24 @@ class SamplingParams:
             if not _number(value) or not -2.0 <= value <= 2.0:
                 raise bad(name, value, "a float in [-2, 2]")
         rep = self.repetition_penalty
-        if not _number(rep) or not rep > 0.0:
-            raise bad("repetition_penalty", rep, "a float > 0")
-        if not _number(self.temperature) or not self.temperature >= 0.0:
-            raise bad("temperature", self.temperature, "a float >= 0")
+        if not _float32(rep) or not rep > 0.0:
+            raise bad("repetition_penalty", rep, f"a float in (0, {FLOAT32_MAX:.4g}]")
+        temp = self.temperature
+        if not (_float32(temp) or temp == float("inf")) or not temp >= 0.0:
+            raise bad("temperature", temp, f"a float in [0, {FLOAT32_MAX:.4g}] or inf (uniform)")
         if not _number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", self.top_p, "a float in (0, 1]")
         if not _integer(self.top_k) or self.top_k < -1:
             raise bad("top_k", self.top_k, "0 or -1 (disabled) or an int >= 1")
         if self.seed is not None and not _integer(self.seed):
             raise bad("seed", self.seed, "an int or None")
+        if not _integer(self.min_tokens) or not 0 <= self.min_tokens <= INT32_MAX:
+            raise bad("min_tokens", self.min_tokens, f"an int in [0, {INT32_MAX}]")
+        if isinstance(self.logit_bias, dict):
+            for tok, value in self.logit_bias.items():
+                if _number(value) and not (_float32(value) or value == float("-inf")):
+                    expected = f"a float in [-{FLOAT32_MAX:.4g}, {FLOAT32_MAX:.4g}] or -inf"
+                    raise bad(f"logit_bias[{tok!r}]", value, expected)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _integer(value) or value < 0):
@@ -247,17 +261,24 @@ class FrameSamplingParams:
             temp, top_p, top_k = (
                 getattr(self, f"{group}_{f}") for f in ("temperature", "top_p", "top_k")
             )
-            if not _number(temp) or not temp >= 0.0:
-                raise ValueError(f"{where}.{group}_temperature: got {temp!r}; expected >= 0")
+            if not (_float32(temp) or temp == float("inf")) or not temp >= 0.0:
+                raise ValueError(
+                    f"{where}.{group}_temperature: got {temp!r}; expected a float in "
+                    f"[0, {FLOAT32_MAX:.4g}] or inf (uniform)"
+                )
             if not _number(top_p) or not 0.0 < top_p <= 1.0:
                 raise ValueError(f"{where}.{group}_top_p: got {top_p!r}; expected in (0, 1]")
-            if not _integer(top_k) or (top_k < 1 and top_k != -1):
+            if not _integer(top_k) or (top_k < 1 and top_k != -1) or top_k > INT32_MAX:
                 raise ValueError(
-                    f"{where}.{group}_top_k: got {top_k!r}; expected -1 (disabled) or an int >= 1"
+                    f"{where}.{group}_top_k: got {top_k!r}; expected -1 (disabled) or an int in "
+                    f"[1, {INT32_MAX}]"
                 )
         penalty = self.audio_repetition_penalty
-        if not _number(penalty) or not penalty > 0:
-            raise ValueError(f"{where}.audio_repetition_penalty: got {penalty!r}; expected > 0")
+        if not _float32(penalty) or not penalty > 0:
+            raise ValueError(
+                f"{where}.audio_repetition_penalty: got {penalty!r}; expected a float in "
+                f"(0, {FLOAT32_MAX:.4g}]"
+            )
         window = self.repetition_window
         if not _integer(window) or window < 1:
             raise ValueError(f"{where}.repetition_window: got {window!r}; expected an int >= 1")
@@ -269,3 +290,8 @@ def _number(value: object) -> bool:
 
 def _integer(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _float32(value: object) -> bool:
+    """A number that is neither NaN nor beyond float32's finite range."""
+    return _number(value) and abs(value) <= FLOAT32_MAX  # type: ignore[operator]
