@@ -1,13 +1,11 @@
 """The engine (vLLM's ``LLMEngine``): requests in, a loop over the step pipeline, outputs out.
 
-``Engine`` holds what assembly built (``framework.assembly.build_engine``) and drives one of two
-loops over the step pipeline (``loops.SyncLoop`` or ``loops.OverlapLoop``, lookahead). Going
-from idle to busy it tells the graphs a job starts (``auto`` plans its captures then), and when
-it runs dry that the job is done.
+``Engine`` holds what assembly built and drives one of two loops over the step pipeline
+(``loops.SyncLoop`` or ``loops.OverlapLoop``). Going from idle to busy it tells the graphs a job
+starts (``auto`` plans its captures then), and when it runs dry that the job is done.
 
-Threads: ``add_request`` and ``abort_request`` may be called from any thread. A call made while
-``step()`` runs is queued and applied at the step's end, the next step boundary, exactly as if it
-had been made between the two steps.
+Threads: ``add_request`` and ``abort_request`` may be called from any thread; one made while
+``step()`` runs is applied at the step's end, as if made between the two steps.
 """
 
 from __future__ import annotations
@@ -21,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from hyloop.cache.lease import RequestCache
 from hyloop.framework.config import EngineConfig
 from hyloop.framework.controls import RequestControls
+from hyloop.framework.engine_stats import check_engine, engine_stats
 from hyloop.framework.faults import ENGINE_FAULTS, stop_engine
 from hyloop.framework.loops import OverlapLoop, SyncLoop
 from hyloop.framework.outputs import RequestOutput
@@ -32,6 +31,7 @@ from hyloop.framework.scheduler import Scheduler
 from hyloop.framework.stats import StepRecorder
 from hyloop.framework.step_kinds import StepKind
 from hyloop.graphs.capture import Graphs
+from hyloop.graphs.sampler import fold_seed
 
 if TYPE_CHECKING:
     from torch import nn
@@ -96,7 +96,7 @@ class Engine:
 
         return build_engine(args.create_engine_config())
 
-    def get_tokenizer(self) -> Any:
+    def get_tokenizer(self) -> Any:  # vLLM's
         return self.tokenizer
 
     def add_request(
@@ -129,7 +129,7 @@ class Engine:
             # Drawn only once the request is accepted, so a refused one leaves the seed
             # stream of later requests as it was.
             seed = req.params.seed if req.params.seed is not None else self._rng.getrandbits(32)
-            req.seed32 = seed & 0xFFFFFFFF
+            req.seed64 = fold_seed(seed)  # the whole int, whatever its size
             if self._in_step:
                 self._queued_ids.add(request_id)
                 self._queued.append(lambda: self.scheduler.add(req))
@@ -323,27 +323,8 @@ class Engine:
         return self.scheduler.cache
 
     def check_invariants(self) -> None:
-        """Ledger: free + pending-free + request-held + tree-held == capacity, for KV pages and
-        state slots; tree structure, lock receipts and LRU order consistent; nothing a launched
-        step reads is free."""
-        self.pipeline.check_unresolved()
-        self.scheduler.check(track_held=self.pipeline.held_track_slots())
+        """The ledger, the tree and the launched steps (``engine_stats.check_engine``)."""
+        check_engine(self.pipeline, self.scheduler)
 
     def stats(self) -> dict[str, Any]:
-        d = self.recorder.as_dict(overlap=self._overlap is not None)
-        sched = self.scheduler
-        kv = sched.cache.kv
-        d.update(cached_tokens=sched.cached_tokens, reused_tokens=sched.reused_tokens)
-        selective = sched.cache.reuse.selective if sched.cache.reuse is not None else None
-        d["recomputed_tokens"] = selective.recomputed if selective is not None else 0
-        d.update(requests_finished=self.finished, requests_aborted=self.aborted)
-        d["requests_failed"] = self.failed
-        d.update(self.graphs.stats())
-        d.update(lookahead=self.lookahead_enabled, weight_bytes=self.derived.weight_bytes)
-        free = kv.available_size()
-        d.update(kv_free_tokens=free, kv_capacity_tokens=kv.capacity)
-        d["kv_full_tokens_used"] = kv.capacity - free
-        windows = sched.cache.windows
-        d["kv_swa_tokens_used"] = windows.used_tokens() if windows is not None else 0
-        d["cache_evictable_tokens"] = sched.cache.tree.evictable_size()
-        return d
+        return engine_stats(self, overlap=self._overlap is not None)

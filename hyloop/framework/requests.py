@@ -31,7 +31,7 @@ class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    seed32: int
+    seed64: int
     max_new: int  # max_tokens clipped to the context limit
     stop_ids: frozenset[int]
     status: Status = Status.WAITING
@@ -298,7 +298,7 @@ def new_request(
         request_id=request_id,
         prompt_ids=ids,
         params=params,
-        seed32=0,  # set once the engine accepts the id
+        seed64=0,  # set once the engine accepts the id
         max_new=max_new,
         stop_ids=frozenset(stop),
         prompt_text=text,

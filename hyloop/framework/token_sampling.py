@@ -25,7 +25,7 @@ class TokenSampling(RequestTable):
     temperature: torch.Tensor = column(torch.float32, 0.0, lambda r: r.params.sampling_temperature)
     top_k: torch.Tensor = column(torch.int64, -1, lambda r: r.params.filter_top_k)
     top_p: torch.Tensor = column(torch.float32, 1.0, lambda r: r.params.filter_top_p)
-    seed: torch.Tensor = column(torch.int64, 0, lambda r: r.seed32)
+    seed: torch.Tensor = column(torch.int64, 0, lambda r: r.seed64)
     repetition: torch.Tensor = column(torch.float32, 1.0, lambda r: r.params.repetition_penalty)
     frequency: torch.Tensor = column(torch.float32, 0.0, lambda r: r.params.frequency_penalty)
     presence: torch.Tensor = column(torch.float32, 0.0, lambda r: r.params.presence_penalty)

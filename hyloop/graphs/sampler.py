@@ -11,6 +11,7 @@ bit-identical on CPU and GPU.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterable
 
 import torch
@@ -31,6 +32,22 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def fold_seed(seed: int) -> int:
+    """Any Python int as the int64 a request table holds: ``[0, 2**64)`` as itself (two's
+    complement), anything else by a 64-bit hash of all its bytes, so no two seeds collide by
+    truncation (0, 2**32 and 2**70 all differ)."""
+    if not 0 <= seed < 1 << 64:
+        raw = seed.to_bytes((seed.bit_length() + 8) // 8, "little", signed=True)
+        seed = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
+def seed_hash(seeds: torch.Tensor) -> torch.Tensor:
+    """A 32-bit hash of int64 seeds that mixes both halves. NOTE: ``hash32(0) == 0``, so a seed
+    below 2**32 hashes as it always has: those requests keep their tokens."""
+    return hash32((seeds & _M32) ^ hash32((seeds >> 32) & _M32))
+
+
 def token_hashes(vocab_size: int, device: torch.device | str) -> torch.Tensor:
     """Per-token-id hashes, precomputed once per engine (int64 ``[V]``)."""
     return hash32(torch.arange(vocab_size, dtype=torch.int64, device=device) * 2 + 1)
@@ -39,10 +56,11 @@ def token_hashes(vocab_size: int, device: torch.device | str) -> torch.Tensor:
 def gumbel_noise(
     seeds: torch.Tensor, out_pos: torch.Tensor, tok_hash: torch.Tensor
 ) -> torch.Tensor:
-    """Gumbel(0, 1) noise ``[B, n]`` from ``seeds [B]`` (32-bit), ``out_pos [B]`` and the hashes
-    of the tokens it is for: ``[V]`` (every token) or ``[B, n]`` (each row's candidates). A
-    token's noise is the same either way: it depends only on (seed, position, token id)."""
-    row = hash32(hash32(seeds) ^ (out_pos & _M32))
+    """Gumbel(0, 1) noise ``[B, n]`` from ``seeds [B]`` (64-bit, ``fold_seed``), ``out_pos [B]``
+    and the hashes of the tokens it is for: ``[V]`` (every token) or ``[B, n]`` (each row's
+    candidates). A token's noise is the same either way: it depends only on (seed, position,
+    token id)."""
+    row = hash32(seed_hash(seeds) ^ (out_pos & _M32))
     h = hash32(row[:, None] ^ (tok_hash[None, :] if tok_hash.dim() == 1 else tok_hash))
     return -torch.log(-torch.log(uniform(h)))
 
@@ -114,6 +132,9 @@ def sample(
         floor = best + temp * min_p.log()  # -inf for min_p == 0
         logits = logits.masked_fill(logits < floor[:, None], -torch.inf)
     scaled = logits / temp[:, None]
+    # temperature inf samples uniformly: finite logits scale to 0, a masked -inf stays out
+    # (-inf / inf is NaN).
+    scaled = scaled.masked_fill(scaled.isnan(), -torch.inf)
     vocab = logits.shape[-1]
     if top_cap == 0:
         sampled = (scaled + gumbel_noise(seeds, out_pos, tok_hash[:vocab])).argmax(dim=-1)

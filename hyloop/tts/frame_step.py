@@ -51,7 +51,7 @@ class FrameSamplingTable(RequestTable):
         lambda r: min((r.params.frame or _DEFAULTS).repetition_window, HISTORY_FRAMES),
     )
     ignore_stop: torch.Tensor = column(torch.int64, 0, lambda r: int(r.params.ignore_eos))
-    seed: torch.Tensor = column(torch.int64, 0, lambda r: r.seed32)
+    seed: torch.Tensor = column(torch.int64, 0, lambda r: r.seed64)
     codes: torch.Tensor = column(torch.int64, -1, shape=(HISTORY_FRAMES, "n_vq"))
     frames: torch.Tensor = column(torch.int64, -1, shape=(HISTORY_FRAMES,))
 
