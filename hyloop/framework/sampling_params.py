@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import enum
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -127,6 +128,8 @@ class SamplingParams:
     bad_words: list[str] | None = None
     best_of: int | None = None
     frame: FrameSamplingParams | None = None
+    # The field names, as vLLM's msgspec struct lists them (clients copy a params by them).
+    __struct_fields__: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.output_kind, str) and self.output_kind in _KIND_NAMES:
@@ -236,6 +239,9 @@ class SamplingParams:
         validate_controls(self, where)
         validate_stop(self, where)
         validate_structured(self, where)
+
+
+SamplingParams.__struct_fields__ = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 
 @dataclass(frozen=True)
