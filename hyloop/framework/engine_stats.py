@@ -24,6 +24,7 @@ def engine_stats(engine: Engine, overlap: bool) -> dict[str, Any]:
     d["requests_failed"] = engine.failed
     d.update(engine.graphs.stats())
     d.update(lookahead=engine.lookahead_enabled, weight_bytes=engine.derived.weight_bytes)
+    d["numerics"] = engine.derived.numerics  # what the Linears compute (config-named)
     free = kv.available_size()
     d.update(kv_free_tokens=free, kv_capacity_tokens=kv.capacity)
     d["kv_full_tokens_used"] = kv.capacity - free
