@@ -79,6 +79,7 @@ class Derived:
     packed_linears: int
     quantized_linears: dict[str, int]  # model.weights: Linears per format (int4, int8, dense)
     cpu_kernels: dict[str, Any] | None
+    numerics: str  # what the Linears compute (``CpuKernels.numerics``), in a line
 
 
 def resolve_device(name: str) -> torch.device:
@@ -114,9 +115,7 @@ def build_engine(cfg: EngineConfig, loaded: LoadedModel | None = None) -> Engine
         cpu = CpuKernels(
             model,
             pack=cfg.model.cpu_packed_linear,
-            measure=cfg.model.cpu_kernels == "measure",
-            rows=buckets,
-            compiled=cfg.graphs.backend == "compile",
+            kernels=cfg.model.cpu_kernels,
             native=cfg.model.cpu_ops,
             stack=cfg.model.cpu_stack,
         )
@@ -211,6 +210,7 @@ def build_engine(cfg: EngineConfig, loaded: LoadedModel | None = None) -> Engine
         packed_linears=len(cpu.layers) if cpu is not None else 0,
         quantized_linears=dict(loaded.quantized),
         cpu_kernels=cpu.summary() if cpu is not None else None,
+        numerics=cpu.numerics() if cpu is not None else f"{cfg.dtype} torch ops on {device}",
     )
     log.info("hyloop assembly: %s", asdict(derived))
     engine = Engine(cfg, derived, model, tokenizer, kind, graphs, pipeline, recorder)

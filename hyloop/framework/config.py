@@ -51,27 +51,26 @@ class ModelSection(_Section):
     cpu_packed_linear: bool = Field(
         True, description="CPU: pre-pack Linear weights for oneDNN once (no re-pack per call)"
     )
-    cpu_kernels: Literal["measure", "packed"] = Field(
-        "measure",
-        description="CPU GEMM per Linear shape and row count: the fastest measured on this "
-        "machine (kept under $HYLOOP_CACHE_DIR), or always the packed oneDNN call",
+    cpu_kernels: Literal["auto", "packed"] = Field(
+        "auto",
+        description="CPU GEMM of dense Linears, the same at every row count: auto (hyloop's "
+        "panel GEMMs where its CPU kernels are loaded on an AVX-512 CPU, else oneDNN's packed "
+        "GEMM) or packed (oneDNN's everywhere); never chosen by a timing",
     )
     cpu_ops: Literal["auto"] | bool = Field(
         "auto",
         description="CPU: hyloop's C++ kernels (panel GEMMs, the decoder stack, decode "
         "attention over the paged pool, a sampler's top-k, the packed GEMM called from compiled "
-        "steps), kept under "
-        "$HYLOOP_CACHE_DIR/cpu_ops: true builds them now if needed (once per machine); "
-        "auto uses them when built and otherwise builds them in the background for later "
-        "runs; false: plain torch ops",
+        "steps), kept under $HYLOOP_CACHE_DIR/cpu_ops: auto or true build them when a model "
+        "loads if they are missing (once per machine; without a compiler auto runs torch ops, "
+        "which compute the quantized modes' same bits); false: plain torch ops",
     )
     cpu_stack: Literal["auto"] | bool = Field(
         "auto",
         description="CPU decode steps of a dense Llama / Qwen2 / Qwen3 model run every layer "
-        "in one C++ call (hyloop's panel GEMMs on one team of threads; needs cpu_ops): auto "
-        "where the CPU has AVX-512 (its kernels are vectorised for it), at the row counts "
-        "where a step was measured faster so than layer by layer (cpu_kernels=measure); true "
-        "wherever the model allows; false layer by layer",
+        "in one C++ call (the layers' own panels on one team of threads; needs cpu_ops and "
+        "cpu_kernels=auto): auto where the CPU has AVX-512 (its kernels are vectorised for "
+        "it), true wherever the model allows, false layer by layer",
     )
     weights: Literal["auto", "dequantize", "int8", "int4"] = Field(
         "auto",

@@ -80,7 +80,7 @@ class StepKind:
         self.device = pools.req_to_token.device
         self.vocab_size = vocab_size
         self.max_context = max_context
-        self.kernels = kernels  # CPU GEMM choices to complete before a capture (or None)
+        self.kernels = kernels  # the model's CPU kernels (``CpuKernels``), or None
         rows = pools.req_to_token.shape[0]
         words = (vocab_size + 31) // 32  # of a structured-output token bitmask
         requests = self.table.allocate(
@@ -117,9 +117,8 @@ class StepKind:
         return cap, min(nlp, self.vocab_size), on | masks | greedy
 
     def prepare_capture(self, keys: Sequence[ArtifactKey]) -> None:
-        """Before capturing ``keys``: a compiled one-row step may run the GEMV, time it too."""
-        if self.kernels is not None and any(k.batch == 1 for k in keys):
-            self.kernels.calibrate_gemv()
+        """Before capturing ``keys``: nothing a token step must measure (the CPU kernels are a
+        fixed rule, ``models/cpu/kernel_choice``)."""
 
     # -- host side of a step --------------------------------------------------------------------
     def to_device(self, host: torch.Tensor) -> torch.Tensor:

@@ -41,19 +41,17 @@ def render_summary(llm: Any) -> str:
             f"auto plan      {s['auto_plan']}; captured {s['auto_capture_s']:.1f} s at jobs' "
             f"starts, none after; {s['uncaptured_steps']} steps ran eager"
         )
+    lines.append(f"numerics       weights={cfg.model.weights} {cfg.dtype}: {d.numerics}")
     kernels = d.cpu_kernels
     if kernels:
-        lines.append(
-            f"cpu kernels    {kernels['measured']} timed in {kernels['measure_s']:.1f} s "
-            "(the rest read from this machine's table)"
-        )
-        for shape, by_rows in kernels["choices"].items():
-            picks = "  ".join(f"{rows}:{kernel}" for rows, kernel in by_rows.items())
-            lines.append(f"  {shape:<22} rows {picks}")
+        where = "hyloop's C++ kernels" if kernels["native"] else "torch ops (no C++ kernels)"
+        lines.append(f"cpu kernels    {where}, {kernels['isa']}; by a fixed rule, never timed")
+        for shape, kernel in kernels["choices"].items():
+            lines.append(f"  {shape:<22} {kernel} at every row count")
         stack = kernels.get("stack")
         if stack is not None:
             kinds = ", ".join(f"{n} {kind}" for kind, n in stack["projections"].items())
-            lines.append(f"decoder stack  decode rows {stack['rows']} in one call ({kinds})")
+            lines.append(f"decoder stack  every decode step in one call ({kinds})")
     extra = s.get("lookahead_hidden_host_s")
     if extra is not None:
         lines.append(f"host hidden    {extra:.3f} s by lookahead")

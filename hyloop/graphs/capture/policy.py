@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, cast
@@ -36,10 +38,22 @@ Backend = Literal["eager", "compile", "cuda_graph"]
 STATS = ("graph_replays", "eager_fallbacks", "recompiles", "uncaptured_steps")
 
 
+def has_cpp_compiler() -> bool:
+    """Whether a C++ compiler is on this machine (``$CXX``, else g++, c++ or clang++)."""
+    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++", "clang++"]
+    return any(shutil.which(n) for n in names)
+
+
 def resolve_backend(name: str, device: torch.device) -> Backend:
-    """``auto``: CUDA graphs on a GPU, ``torch.compile`` per bucket on CPU."""
+    """``auto``: CUDA graphs on a GPU, ``torch.compile`` per bucket on CPU (eager on a CPU
+    machine without the C++ compiler inductor needs)."""
     if name == "auto":
-        return "cuda_graph" if device.type == "cuda" else "compile"
+        if device.type == "cuda":
+            return "cuda_graph"
+        if not has_cpp_compiler():
+            log.warning("hyloop: no C++ compiler found: graphs.backend=auto runs eager steps")
+            return "eager"
+        return "compile"
     if name == "cuda_graph" and device.type != "cuda":
         raise ValueError(f"graphs.backend=cuda_graph needs a CUDA device, got device={device}")
     if name not in ("eager", "compile", "cuda_graph"):

@@ -31,21 +31,24 @@ as there are free cores) or OpenMP's sleeping ones; ``HYLOOP_CPU_POOL=0`` always
 and ``bench/decode_step.py`` measure what each saves.
 
 The library is ``$HYLOOP_CACHE_DIR/cpu_ops/<key>.so``, keyed by the sources, torch and the CPU (it
-is built with ``-march=native``). With ``build=False`` (the engine's ``model.cpu_ops=auto``)
-``ensure_loaded`` builds a missing library only after this process exits, so a first run neither
-waits for the compiler nor shares its cores with it. Without a compiler, or when the build fails,
-it logs why and callers keep their PyTorch paths. ``HYLOOP_CPU_OPS=0`` turns the kernels off.
+is built with ``-march=native`` and ``-ffp-contract=off``: every multiply-add the kernels fuse
+is written out, so their roundings are the ones ``panels.h`` states). A missing library is
+built when a model is about to load (once per machine, about 30 s on 2 cores, with a line on
+stderr saying so and how long it took; processes building at once wait for one build). Without a
+compiler, or when the build fails, it says why in one line and callers keep their PyTorch
+paths, which compute the quantized modes' same bits (``quant.reference``), only slower.
+``HYLOOP_CPU_OPS=0`` turns the kernels off.
 """
 
 from __future__ import annotations
 
-import atexit
+import fcntl
 import hashlib
 import logging
 import os
-import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -127,9 +130,9 @@ def available() -> bool:
 
 
 def ensure_loaded(build: bool = True) -> bool:
-    """Load the kernels, building them first when ``build`` (else in the background, for later
-    runs); False when they cannot be had. The first answer stands, so a process never mixes the
-    kernels with the torch paths."""
+    """Load the kernels, building them first when missing and ``build``; False when they cannot
+    be had. The first answer stands, so a process never mixes the kernels with the torch
+    paths."""
     with _lock:
         if "loaded" not in _state:
             _state["loaded"] = _load(build)
@@ -162,7 +165,15 @@ def _flags() -> list[str]:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     libs = [f"-L{p}" for p in cpp_extension.library_paths()]
-    opts = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++20", "-fopenmp"]
+    opts = [
+        "-O3",
+        "-march=native",
+        "-ffp-contract=off",
+        "-shared",
+        "-fPIC",
+        "-std=c++20",
+        "-fopenmp",
+    ]
     return [*opts, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, *libs, "-lc10", "-ltorch_cpu"]
 
 
@@ -187,17 +198,17 @@ def _load(build: bool) -> bool:
     if os.environ.get("HYLOOP_CPU_OPS", "1") == "0":
         return False
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        log.warning("hyloop CPU kernels: no C++ compiler found; using plain PyTorch paths")
-        return False
     path = library_path()
-    if not path.exists() and not build:
-        log.info("hyloop CPU kernels not built yet: torch ops now, a build at exit for later runs")
-        _build_in_background(compiler, path)
+    if not path.exists() and (compiler is None or not build):
+        why = "no C++ compiler found" if compiler is None else "not built"
+        log.warning(
+            "hyloop CPU kernels: %s; torch ops compute the same quantized numerics, slower", why
+        )
         return False
     try:
         if not path.exists():
-            _build(compiler, path)
+            assert compiler is not None
+            _build_once(compiler, path)
         torch.ops.load_library(str(path))
         from hyloop.models.cpu.packed_linear import _packed_linear_fake
 
@@ -213,33 +224,17 @@ def _load(build: bool) -> bool:
     return True
 
 
-def _build_in_background(compiler: str, path: Path) -> None:
-    """When this process exits, start a detached, niced build of ``path`` (unless one started in
-    the last 10 minutes): the build never competes with this process's own job."""
-    atexit.register(_spawn_build, compiler, path)
-
-
-def _spawn_build(compiler: str, path: Path) -> None:
+def _build_once(compiler: str, path: Path) -> None:
+    """Build ``path`` unless another process is building it (then wait for that build)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    marker = path.with_suffix(".building")
-    try:
-        if time.time() - marker.stat().st_mtime < 600:
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
             return
-    except OSError:
-        pass
-    marker.touch()
-    tmp = f"{path}.{os.getpid()}.tmp"
-    command = shlex.join(_compile_command(compiler, tmp))
-    script = f"{command} && mv -f {shlex.quote(tmp)} {shlex.quote(str(path))}; "
-    script += f"rm -f {shlex.quote(tmp)} {shlex.quote(str(marker))}"
-    nice = ["nice", "-n", "19"] if shutil.which("nice") else []
-    subprocess.Popen(
-        [*nice, "sh", "-c", script],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,  # outlives this process
-    )
+        sys.stderr.write("hyloop: building the CPU kernels (once per machine) ...\n")
+        t0 = time.perf_counter()
+        _build(compiler, path)
+        sys.stderr.write(f"hyloop: CPU kernels built in {time.perf_counter() - t0:.1f} s\n")
 
 
 def _build(compiler: str, path: Path) -> None:

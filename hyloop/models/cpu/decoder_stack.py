@@ -112,9 +112,6 @@ class DecoderStack:
             )
         )
         weakref.finalize(self, torch.ops.hyloop.stack_free, self.handle)
-        # Row counts measured with and without the stack (``stack_choice``): whether it ran
-        # faster; empty: it runs every decode step.
-        self.choice: dict[int, bool] = {}
         self.kinds: dict[str, int] = {}
         with torch.no_grad():
             for i, layer in enumerate(layers):
@@ -141,12 +138,9 @@ class DecoderStack:
                     self.kinds[_KIND_NAMES[p.kind]] = self.kinds.get(_KIND_NAMES[p.kind], 0) + 1
 
     def runs(self, rows: int) -> bool:
-        """Whether a decode step of ``rows`` rows takes the stack: the choice measured at the
-        nearest row count at or above it (the largest, above them all)."""
-        if not self.choice:
-            return True
-        above = [r for r in self.choice if r >= rows]
-        return self.choice[min(above) if above else max(self.choice)]
+        """Whether a decode step of ``rows`` rows takes the stack: every one does (it computes
+        each row with the layers' own panels, the same at every row count)."""
+        return True
 
     def __call__(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """The layers' output ``[B, 1, H]`` for embedded tokens ``x [B, 1, H]`` (one per row)."""
@@ -170,10 +164,8 @@ class DecoderStack:
         return out.view(b, 1, self.hidden)
 
     def describe(self) -> dict[str, Any]:
-        """What the run summary reports: projections per weight kind, and the row counts it
-        runs (measured) or ``every``."""
-        rows = sorted(r for r, on in self.choice.items() if on) if self.choice else "every"
-        return {"projections": dict(self.kinds), "rows": rows}
+        """What the run summary reports: projections per weight kind."""
+        return {"projections": dict(self.kinds), "rows": "every"}
 
 
 _KIND_NAMES = {F32: "float32", BF16: "bfloat16", I4: "int4", I8: "int8"}

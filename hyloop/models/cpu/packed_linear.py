@@ -1,26 +1,28 @@
-"""Linear layers whose weights are pre-packed for oneDNN on CPU, with hyloop's panel GEMM beside.
+"""Linear layers whose weights are pre-packed once for the kernel that runs them on CPU.
 
 A plain ``F.linear`` re-packs its weight matrix on every call; at decode batch sizes that
 packing, not the arithmetic, dominates (the weights stream from memory once per step anyway),
-so the weights are packed once at load time. Where hyloop's CPU kernels are loaded the layer
-also holds its weight as panels (``panels.Panels``: ``hyloop::panel_linear``, outer-product
-tiles over 16-column panels, bfloat16 by vdpbf16ps where the CPU has it), the ``tiled`` kernel;
-those panels are what a decoder stack (``decoder_stack``) reads too. Where oneDNN cannot pack the
-dtype (bfloat16 on a CPU without AVX-512-BF16 or AMX) the layer keeps no oneDNN copy.
+so each weight is packed once at load time for its one kernel (``kernel_choice.dense_kernel``,
+the same at every row count):
 
-A ``PackedLinear`` runs as one operator, ``hyloop::linear``, whose two forms are the two
-kernels measured fastest on this machine (``kernel_choice``) for the row count at hand: its CPU
-kernel is the eager step's choice, and its inductor decomposition the compiled step's, which
-may be the one-row GEMV (a multiply-reduce inductor fuses with its neighbours), the few-row GEMM
-or the packed GEMM as an opaque call (``hyloop::packed_linear``, or the C++
-``packed_linear_native`` when the CPU kernels are loaded). Nothing in the layer asks whether it
-is being compiled.
+- ``tiled``: hyloop's panel GEMM (``panels.Panels``: ``hyloop::panel_linear``, outer-product
+  tiles over 16-column panels, bfloat16 by vdpbf16ps where the CPU has it); those panels are
+  what a decoder stack (``decoder_stack``) reads too;
+- ``packed``: oneDNN over a weight reordered once (its bf16 path uses AMX where the CPU has it);
+- ``linear``: ``F.linear`` (oneDNN cannot pack the dtype here).
+
+A ``PackedLinear`` runs as one operator, ``hyloop::linear``, whose CPU kernel is the eager
+step's form and whose inductor decomposition the compiled step's: the same kernel as an opaque
+call (``hyloop::panel_linear``, ``hyloop::packed_linear`` or the C++ ``packed_linear_native``
+when the CPU kernels are loaded), so both compute the same bits. Nothing in the layer asks
+whether it is being compiled.
 """
 
 from __future__ import annotations
 
 import itertools
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +30,7 @@ from torch import nn
 from torch._decomp import register_decomposition
 from torch._inductor.decomposition import decompositions as inductor_decompositions
 
-from hyloop.models.cpu.panels import Panels, drop_buffers, gate_up_split
+from hyloop.models.cpu.panels import Panels, gate_up_split
 
 _PACKED: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
 _HANDLES = itertools.count(1)
@@ -46,8 +48,8 @@ def packing_available(device: torch.device, dtype: torch.dtype = torch.float32) 
 # Python layers cost several times the dispatch of these.
 _LIB = torch.library.Library("hyloop", "FRAGMENT")
 _LIB.define("packed_linear(Tensor x, int handle) -> Tensor")
-# ``kernels``: the layer's measured choices, spelled out so that they are part of every traced
-# graph and of the compile caches' keys (an artifact built under other choices is not reused).
+# ``kernels``: the layer's kernel, spelled out so that it is part of every traced graph and of
+# the compile caches' keys (an artifact built for another kernel is not reused).
 _LIB.define(
     "linear(Tensor x, Tensor weight, Tensor? bias, Tensor? panels, int handle, str kernels) "
     "-> Tensor"
@@ -110,18 +112,12 @@ linear = torch.ops.hyloop.linear.default
 
 
 class PackedLinear(nn.Module):
-    """Drop-in for an ``nn.Linear`` (same parameters and names) plus a packed weight copy.
-
-    ``kernels`` maps a row count to the kernel measured fastest for it on this machine
-    (``kernel_choice``): ``linear``, ``packed`` (absent where oneDNN cannot pack the dtype),
-    ``tiled`` (hyloop's panel GEMM, where its kernels are loaded: ``panels``) or ``gemv``
-    (compiled steps only); a row count between two measured ones takes the choice of the next
-    measured one above it, and one above every measured count (a prefill chunk) a GEMM built
-    for many rows. ``split``: the panels of a fused gate/up projection interleave its halves.
-    """
+    """Drop-in for an ``nn.Linear`` (same parameters and names) plus its weight packed for
+    ``kernel`` (``tiled``, ``packed`` or ``linear``). ``split``: the panels of a fused gate/up
+    projection interleave its halves."""
 
     def __init__(
-        self, linear: nn.Linear, batch_hint: int = 16, panels: bool = False, split: int = 0
+        self, linear: nn.Linear, kernel: str, batch_hint: int = 16, split: int = 0
     ) -> None:
         super().__init__()
         self.in_features = linear.in_features
@@ -130,57 +126,29 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
         if hasattr(linear, "shard_sizes"):
             self.shard_sizes = linear.shard_sizes
+        self.kernel = kernel
         self.packed: torch.Tensor | None = None
-        if packing_available(self.weight.device, self.weight.dtype):
-            with torch.no_grad():
+        self.panels: Panels | None = None
+        with torch.no_grad():
+            if kernel == "tiled":
+                self.panels = Panels.dense(self.weight, split)
+                self.register_buffer("panel_data", self.panels.data, persistent=False)
+            elif kernel == "packed":
                 w = self.weight.detach()
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
-        self.panels: Panels | None = None
-        if panels:
-            self.panels = Panels.dense(self.weight, split)
-            self.register_buffer("panel_data", self.panels.data, persistent=False)
         self.handle = next(_HANDLES)
         _PACKED[self.handle] = self
-        self.kernels: tuple[tuple[int, str], ...] = ()  # (rows, kernel), rows ascending
-        self.kernels_key = ""
         self.native = False  # registered with ``hyloop::packed_linear_native`` (``cpu_ops``)
-
-    def set_kernels(self, kernels: dict[int, str]) -> None:
-        self.kernels = tuple(sorted(kernels.items()))
-        self.kernels_key = ",".join(f"{rows}:{kernel}" for rows, kernel in self.kernels)
-
-    def release_unused(self, keep_panels: bool) -> int:
-        """Once the kernels are measured: drop the panels where no row count runs them and no
-        decoder stack reads them (``keep_panels``); returns the bytes dropped. A later choice
-        no longer offers ``tiled`` (``kernel_choice.calibrate``)."""
-        tiled = any(kernel == "tiled" for _, kernel in self.kernels)
-        if keep_panels or tiled or not self.kernels or self.panels is None:
-            return 0
-        self.panels = None
-        return drop_buffers(self, ("panel_data",))
-
-    def kernel(self, rows: int, compiled: bool) -> str:
-        """The measured kernel for ``rows`` rows; unmeasured, the packed GEMM (the GEMV for one
-        row of a compiled step)."""
-        for measured, kernel in self.kernels:
-            if measured >= rows:
-                return kernel
-        many = "packed" if self.packed is not None else "linear"
-        if self.kernels:
-            kernel = self.kernels[-1][1]
-            return many if kernel == "tiled" else kernel  # built for a few rows only
-        return "gemv" if rows == 1 and compiled else many
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         panels = None if self.panels is None else self.panel_data
-        return linear(x, self.weight, self.bias, panels, self.handle, self.kernels_key)
+        return linear(x, self.weight, self.bias, panels, self.handle, self.kernel)
 
     def eager_form(self, x: torch.Tensor) -> torch.Tensor:
-        """``hyloop::linear``'s CPU kernel (eager steps): the GEMV pays only when fused."""
-        kernel = self.kernel(x.numel() // self.in_features, compiled=False)
-        if kernel == "tiled" and self.panels is not None:
+        """``hyloop::linear``'s CPU kernel (eager steps)."""
+        if self.panels is not None:
             return self.panels.linear(x, self.bias)
-        if kernel == "linear" or self.packed is None:
+        if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return self.run_packed(x)
 
@@ -191,20 +159,13 @@ class PackedLinear(nn.Module):
         bias: torch.Tensor | None,
         panels: torch.Tensor | None,
     ) -> torch.Tensor:
-        """``hyloop::linear`` as inductor lowers it (traced with static shapes)."""
-        rows = x.numel() // self.in_features
-        kernel = self.kernel(rows, compiled=True)
-        if kernel == "tiled" and panels is not None and self.panels is not None:
+        """``hyloop::linear`` as inductor lowers it (traced with static shapes): the eager
+        kernel as an opaque call."""
+        if panels is not None and self.panels is not None:
             p = self.panels
             return torch.ops.hyloop.panel_linear(x, panels, p.kind, p.n, p.k, p.split, p.half, bias)
-        if kernel == "linear" or self.packed is None:
+        if self.packed is None:
             return F.linear(x, weight, bias)
-        if kernel == "gemv" and rows == 1:
-            # One vectorised, threaded multiply-reduce: it can stream the weight faster than a
-            # GEMM call on some CPUs.
-            out = (weight * x.reshape(1, self.in_features)).sum(-1)
-            out = out if bias is None else out + bias
-            return out.view(*x.shape[:-1], self.out_features)
         if self.native:
             return torch.ops.hyloop.packed_linear_native(x, self.handle)
         return packed_linear(x, self.handle)
@@ -218,19 +179,20 @@ class PackedLinear(nn.Module):
 MIN_PACKED_WEIGHTS = 1 << 16
 
 
-def pack_linears(model: nn.Module, batch_hint: int = 16, tiled: bool = False) -> int:
-    """Replace each large ``nn.Linear`` of ``model`` by a ``PackedLinear`` where it has a kernel
-    to choose: oneDNN can pack its dtype here, or (``tiled``: the CPU kernels are loaded for this
-    engine) hyloop's panel GEMM can run it, with its panels; returns how many."""
+def pack_linears(model: nn.Module, kernel_for: Callable[[torch.dtype], str]) -> int:
+    """Replace each large CPU ``nn.Linear`` of ``model`` by a ``PackedLinear`` for the kernel
+    ``kernel_for(dtype)`` names (``linear`` layers are left as they are); returns how many."""
     count = 0
     for prefix, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
-            big = type(child) is nn.Linear and child.weight.numel() >= MIN_PACKED_WEIGHTS
-            w = child.weight if big else None
-            on_cpu = w is not None and w.device.type == "cpu"
-            panels = tiled and on_cpu and w.dtype in (torch.float32, torch.bfloat16)
-            if w is not None and (packing_available(w.device, w.dtype) or panels):
+            if type(child) is not nn.Linear:
+                continue
+            w = child.weight
+            kernel = kernel_for(w.dtype) if w.device.type == "cpu" else "linear"
+            # Every Linear on the panels, small ones too: a decoder stack reads them all.
+            small = w.numel() < MIN_PACKED_WEIGHTS and kernel != "tiled"
+            if kernel != "linear" and not small:
                 split = gate_up_split(f"{prefix}.{name}", w.shape[0])
-                setattr(parent, name, PackedLinear(child, batch_hint, panels=panels, split=split))
+                setattr(parent, name, PackedLinear(child, kernel, split=split))
                 count += 1
     return count

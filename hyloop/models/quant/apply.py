@@ -111,9 +111,8 @@ def quantize_linears(
         if mode == "auto":
             return {}
         raise ValueError(
-            f"model.weights={mode!r}: torch's weight-only {mode} kernels are vectorised only on "
-            f"CPUs with AVX2 or better and on Arm, not on device {device.type!r} "
-            f"({torch.backends.cpu.get_cpu_capability()}); use model.weights=dequantize"
+            f"model.weights={mode!r}: weight-only {mode} Linears run on the CPU, not on device "
+            f"{device.type!r}; use model.weights=dequantize"
         )
     tied: dict[str, str] = getattr(model, "tied_weights", {})
     counts: Counter[str] = Counter()

@@ -1,0 +1,94 @@
+"""The quantized modes' numerics, in torch: the definition every kernel serving them matches.
+
+A weight-only int4 / int8 Linear computes ``x @ W.T`` as llama.cpp's Q8 path does, with 8-bit
+activations:
+
+1. each row of ``x`` (float32, or bfloat16 widened exactly) is cut into groups of 32; a group's
+   scale is ``d = max|v| / 127`` (0 for an all-zero group), its codes ``round(v * (1 / d))``
+   (half to even) in int8, and its float sum ``v_0 + v_1 + ... + v_31`` added in that order;
+2. per output column and group, the integer dot product of the activation codes with the weight
+   codes (exact: at most 32 * 127 * 127 in magnitude);
+3. the output is a chain over the groups in order, every product and sum rounded once to
+   float32: ``acc += dot * (scale * d)``, then for int4 ``acc += min * fsum``; plus the bias, then
+   the input's dtype.
+
+``hyloop::panel_linear`` and the decoder stack compute exactly this (``models/cpu/panels.h``);
+``quant_linear`` is the same in torch ops, for machines where those kernels are not built (no
+C++ compiler, ``HYLOOP_CPU_OPS=0``). It is an opaque operator to a compiled step, so inductor
+never reorders its chain.
+"""
+
+from __future__ import annotations
+
+import torch
+
+GROUP = 32
+INT4, INT8 = 2, 3  # panels.h's kinds
+
+
+def quantize_activations(
+    x: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` -> (codes float32 ``[M, G, 32]`` holding int8 values, scale ``[M, G]``,
+    float sum ``[M, G]``), as step 1 defines them."""
+    m, k = x.shape
+    v = x.float().reshape(m, k // GROUP, GROUP)
+    d = v.abs().amax(-1) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    codes = torch.round(v * inv[..., None])
+    fsum = v[..., 0].clone()
+    for j in range(1, GROUP):  # NOTE: in order, one rounding per add (a reduction would not be)
+        fsum += v[..., j]
+    return codes, d, fsum
+
+
+def _group_dots(codes: torch.Tensor, weight_codes: torch.Tensor) -> torch.Tensor:
+    """``[M, G, 32]`` x ``[N, G, 32]`` -> ``[G, M, N]`` integer dots, exact in float32 (every
+    partial sum is an integer below 2**24, so no order rounds)."""
+    return torch.bmm(codes.transpose(0, 1), weight_codes.float().permute(1, 2, 0))
+
+
+def _quant_linear(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    mins: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    n, k = codes.shape
+    x2 = x.reshape(-1, k)
+    q, d, fsum = quantize_activations(x2)
+    dots = _group_dots(q, codes.view(n, k // GROUP, GROUP))
+    acc = torch.zeros(x2.shape[0], n, dtype=torch.float32)
+    for g in range(k // GROUP):
+        acc += dots[g] * (scale[:, g][None, :] * d[:, g][:, None])
+        if mins is not None:
+            acc += mins[:, g][None, :] * fsum[:, g][:, None]
+    if bias is not None:
+        acc += bias.float()
+    return acc.to(x.dtype).view(*x.shape[:-1], n)
+
+
+@torch.library.custom_op("hyloop::quant_linear", mutates_args=())
+def quant_linear(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    mins: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """``x [.., K]`` times a weight-only weight as the module docstring defines it: ``codes
+    [N, K]`` (uint8 in [0, 15] with ``mins``: int4; int8 in [-127, 127] without), ``scale`` (and
+    ``mins``) float32 ``[N, K / 32]``; ``[.., N]`` in ``x``'s dtype."""
+    return _quant_linear(x, codes, scale, mins, bias)
+
+
+@quant_linear.register_fake
+def _(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    mins: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], codes.shape[0]))
