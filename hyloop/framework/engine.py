@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from hyloop.cache.lease import RequestCache
 from hyloop.framework.config import EngineConfig
 from hyloop.framework.controls import RequestControls
+from hyloop.framework.engine_args import EngineArgs, EngineConfigs
 from hyloop.framework.engine_stats import check_engine, engine_stats
 from hyloop.framework.faults import ENGINE_FAULTS, stop_engine
 from hyloop.framework.loops import OverlapLoop, SyncLoop
@@ -37,12 +38,11 @@ if TYPE_CHECKING:
     from torch import nn
 
     from hyloop.framework.assembly import Derived
-    from hyloop.framework.engine_args import EngineArgs
 
 log = logging.getLogger(__name__)
 
 
-class Engine:
+class Engine(EngineConfigs):
     """vLLM-shaped engine: ``add_request`` / ``abort_request`` / ``step`` / ``check_invariants``."""
 
     def __init__(

@@ -16,6 +16,7 @@ import difflib
 import json
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,13 @@ _INERT: dict[str, Any] = {
     "disable_log_requests": None,
     "runner": "auto",
     "task": "auto",
+    # LoRA sizing: read only with enable_lora, which hyloop refuses; any value is inert.
+    "max_lora_rank": None,
+    "max_loras": None,
+    "max_cpu_loras": None,
+    "lora_extra_vocab_size": None,
+    "lora_dtype": None,
+    "fully_sharded_loras": None,
 }
 _ONE_DEVICE = {"tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"}
 _REFUSED = {
@@ -128,7 +136,8 @@ _REFUSED = {
     "limit_mm_per_prompt",
 }
 _QUANTIZATION_OK = (None, "gguf")
-_FLAGS = {"enable_chunked_prefill", "disable_log_requests"}  # vLLM booleans unset by default
+# vLLM booleans unset by default
+_FLAGS = {"enable_chunked_prefill", "disable_log_requests", "fully_sharded_loras"}
 _HYLOOP = {"config": None, "overrides": None}
 FIELDS = (*_MAPPED, *_INERT, *_HYLOOP)
 
@@ -208,6 +217,64 @@ class EngineArgs:
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         given = {n: getattr(args, n) for n in FIELDS if getattr(args, n, None) is not None}
         return cls(**given)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """vLLM's ``LLMEngine.model_config``: what clients read of the model an engine serves."""
+
+    model: str
+    tokenizer: str
+    max_model_len: int
+    dtype: torch.dtype
+    seed: int
+    max_logprobs: int
+    vocab_size: int
+    generation_config: str = "auto"
+    tokenizer_mode: str = "auto"
+    trust_remote_code: bool = False
+    revision: str | None = None
+    skip_tokenizer_init: bool = False
+    runner_type: str = "generate"
+
+    @classmethod
+    def of(cls, cfg: EngineConfig, max_context: int, vocab_size: int) -> ModelConfig:
+        path = cfg.model.path or ""
+        return cls(
+            model=path,
+            tokenizer=cfg.model.tokenizer or path,
+            max_model_len=max_context,
+            dtype=getattr(torch, cfg.dtype),
+            seed=cfg.seed,
+            max_logprobs=cfg.model.max_logprobs,
+            vocab_size=vocab_size,
+            generation_config=cfg.model.generation_config,
+        )
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model
+
+    @property
+    def quantization(self) -> str | None:
+        return "gguf" if self.model.endswith(".gguf") else None
+
+    def get_vocab_size(self) -> int:
+        return self.vocab_size
+
+
+class EngineConfigs:
+    """What vLLM's ``LLMEngine`` exposes of its configuration, over the ``cfg``,
+    ``max_context`` and ``vocab_size`` an engine holds."""
+
+    cfg: EngineConfig
+    max_context: int
+    vocab_size: int
+
+    @property
+    def model_config(self) -> ModelConfig:
+        """vLLM's ``LLMEngine.model_config``: ``max_model_len``, ``model``, ``dtype``..."""
+        return ModelConfig.of(self.cfg, self.max_context, self.vocab_size)
 
 
 def kv_budget_bytes(memory_budget_mb: float, utilization: float | None, device: Any) -> int:
