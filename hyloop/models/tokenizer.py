@@ -10,6 +10,17 @@ from tokenizers import AddedToken, Tokenizer
 from hyloop.models.loaders.hf import read_json
 
 
+class BatchEncoding(dict[str, Any]):
+    """HF's ``BatchEncoding`` shape: a dict whose keys are also attributes
+    (``enc["input_ids"]`` and ``enc.input_ids``)."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"BatchEncoding has no {name!r}") from None
+
+
 class TextTokenizer:
     """An HF-compatible tokenizer over ``tokenizers``: ``tok(text)``, ``encode`` (with the
     checkpoint's leading-BOS rule), ``decode``, special-token ids, ``apply_chat_template`` with
@@ -36,6 +47,7 @@ class TextTokenizer:
         self.eos_ids = list(eos_ids or [])
         self.name_or_path = name_or_path
         self._added: dict[int, AddedToken] | None = None
+        self._pad_id: int | None = None
 
     # -- HF's attributes ------------------------------------------------------------------------
     @property
@@ -69,7 +81,16 @@ class TextTokenizer:
 
     @property
     def pad_token_id(self) -> int | None:
-        return None
+        """None unless set: hyloop never pads; clients that batch set one (HF's setter)."""
+        return self._pad_id
+
+    @pad_token_id.setter
+    def pad_token_id(self, value: int | None) -> None:
+        self._pad_id = value
+
+    @property
+    def pad_token(self) -> str | None:
+        return None if self._pad_id is None else self.tokenizer.id_to_token(self._pad_id)
 
     @property
     def all_special_ids(self) -> list[int]:
@@ -111,16 +132,24 @@ class TextTokenizer:
         return ids
 
     def __call__(
-        self, text: str | list[str], add_special_tokens: bool = True, **kwargs: Any
-    ) -> dict[str, Any]:
-        """HF's ``BatchEncoding`` as a dict: ``input_ids`` and ``attention_mask``."""
+        self,
+        text: str | list[str],
+        add_special_tokens: bool = True,
+        return_attention_mask: bool = True,
+        **kwargs: Any,
+    ) -> BatchEncoding:
+        """HF's call: a ``BatchEncoding`` of ``input_ids`` (and ``attention_mask``)."""
         if kwargs.get("return_tensors") is not None:
             raise ValueError("TextTokenizer(...): return_tensors is not supported; lists only")
         if isinstance(text, str):
-            ids = self.encode(text, add_special_tokens)
-            return {"input_ids": ids, "attention_mask": [1] * len(ids)}
-        batch = [self.encode(t, add_special_tokens) for t in text]
-        return {"input_ids": batch, "attention_mask": [[1] * len(i) for i in batch]}
+            ids: Any = self.encode(text, add_special_tokens)
+            mask: Any = [1] * len(ids)
+        else:
+            ids = [self.encode(t, add_special_tokens) for t in text]
+            mask = [[1] * len(i) for i in ids]
+        if not return_attention_mask:
+            return BatchEncoding(input_ids=ids)
+        return BatchEncoding(input_ids=ids, attention_mask=mask)
 
     def decode(self, ids: int | list[int], skip_special_tokens: bool = False) -> str:
         if isinstance(ids, int):
