@@ -6,10 +6,11 @@ from hyloop.framework.sampling_params import (
     RequestOutputKind,
     SamplingParams,
 )
-from hyloop.framework.structured_params import StructuredOutputsParams
+from hyloop.framework.structured_params import GuidedDecodingParams, StructuredOutputsParams
 
 __all__ = [
     "BeamSearchParams",
+    "GuidedDecodingParams",
     "NotSupportedError",
     "RequestOutputKind",
     "SamplingParams",

@@ -86,7 +86,7 @@ def compile_grammar(params: StructuredOutputsParams, where: str = "structured_ou
             kind,
             spec,
             params.disable_any_whitespace,
-            params.disable_additional_properties,
+            params.closed_objects,
             params.whitespace_pattern,
         )
     except _Invalid as e:
@@ -142,7 +142,8 @@ def _json_grammar(schema: Any, options: dict[str, Any], closed: bool, field: str
 
 def _close_objects(schema: Any) -> Any:
     """``schema`` with ``additionalProperties: false`` wherever an object lists its properties
-    and says nothing about others (``disable_additional_properties``)."""
+    and says nothing about others: vLLM's default (xgrammar's strict mode), unless
+    ``allow_additional_properties``."""
     if isinstance(schema, list):
         return [_close_objects(s) for s in schema]
     if not isinstance(schema, dict):

@@ -24,8 +24,12 @@ class StructuredOutputsParams:
     ``structural_tag`` (JSON text: ``{"structures": [{"begin", "schema", "end"}], "triggers"}``).
 
     The JSON options: ``disable_any_whitespace`` (no whitespace between tokens),
-    ``disable_additional_properties`` (objects with ``properties`` get no other keys unless
-    the schema says otherwise), ``whitespace_pattern`` (a regex for the whitespace allowed).
+    ``whitespace_pattern`` (a regex for the whitespace allowed), and what an object schema
+    with ``properties`` and no ``additionalProperties`` admits: by default no other keys
+    (vLLM's default backend, xgrammar in strict mode), which ``disable_additional_properties``
+    (vLLM's guidance option) also says; ``allow_additional_properties=True`` (hyloop's, the
+    inverse) lets such objects take unlisted keys, as llguidance and vLLM's guidance backend
+    do without that option. A schema's own ``additionalProperties`` always wins.
     ``disable_fallback`` is older vLLM's backend switch; with one backend it changes nothing.
     """
 
@@ -39,9 +43,15 @@ class StructuredOutputsParams:
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
     structural_tag: str | None = None
+    allow_additional_properties: bool = False
 
     def __post_init__(self) -> None:
         check_fields(vars(self), "StructuredOutputsParams")
+
+    @property
+    def closed_objects(self) -> bool:
+        """Objects that list their properties take no other keys (see the class doc)."""
+        return not self.allow_additional_properties
 
     @property
     def constraint(self) -> str:
@@ -85,9 +95,15 @@ def check_fields(values: Mapping[str, Any], where: str) -> None:
         "disable_fallback",
         "disable_any_whitespace",
         "disable_additional_properties",
+        "allow_additional_properties",
     ):
         if not isinstance(values.get(name, False), bool):
             raise bad(name, "a bool")
+    if values.get("disable_additional_properties") and values.get("allow_additional_properties"):
+        raise ValueError(
+            f"{where}.allow_additional_properties: set it or disable_additional_properties, "
+            "not both"
+        )
     if values.get("whitespace_pattern") is not None and values.get("disable_any_whitespace"):
         raise ValueError(f"{where}.whitespace_pattern: set it or disable_any_whitespace, not both")
     chosen = [name for name in CONSTRAINTS if values.get(name) is not None]
@@ -128,3 +144,33 @@ def as_structured(value: Any, where: str) -> StructuredOutputsParams:
         )
     check_fields(values, where)
     return StructuredOutputsParams(**values)
+
+
+@dataclass
+class GuidedDecodingParams:
+    """vLLM's older name and fields (``backend`` included) for what is now
+    ``StructuredOutputsParams``; ``SamplingParams(guided_decoding=...)`` takes it, and
+    ``structured_outputs`` too. ``backend``: None, ``auto`` or llguidance's (hyloop's one)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    backend: str | None = None
+    backend_was_auto: bool = False
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        as_structured(self, "GuidedDecodingParams")
+
+    @classmethod
+    def from_optional(cls, **kwargs: Any) -> GuidedDecodingParams | None:
+        """vLLM's constructor: None when no constraint is given."""
+        if all(kwargs.get(name) is None for name in CONSTRAINTS):
+            return None
+        return cls(**kwargs)
