@@ -1,0 +1,1 @@
+"""vLLM's ``vllm.lora`` package path: hyloop serves no LoRA adapters."""

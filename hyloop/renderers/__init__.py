@@ -1,0 +1,1 @@
+"""vLLM's ``vllm.renderers`` package path."""
