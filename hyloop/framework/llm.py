@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -52,6 +53,10 @@ class LLM:
         self.config = args.create_engine_config()
         self.engine = build_engine(self.config)
         self._counter = 0
+        self._closed = False
+        self._draining = False  # ``drain()``: nothing more is admitted
+        # One caller steps the engine at a time: a second thread's generate waits for it.
+        self._calls = threading.RLock()
         self._finalizer = weakref.finalize(self, _close_engine, self.engine)
 
     @property
@@ -98,7 +103,9 @@ class LLM:
         lora_request: Any = None,
     ) -> Iterator[tuple[int, RequestOutput]]:
         """``(prompt index, finished output)`` as each request finishes (hyloop's addition:
-        a writer can stream results while the rest still run)."""
+        a writer can stream results while the rest still run). A call from another thread
+        while one runs waits for it to end, then runs."""
+        self._check_open("generate")
         if lora_request is not None:
             raise NotSupportedError("generate(): lora_request is not supported by hyloop")
         batch = as_batch(prompts)
@@ -117,6 +124,12 @@ class LLM:
             if isinstance(p, SamplingParams)
         }
         params = [final.get(id(p), p) for p in params]
+        with self._calls:
+            yield from self._add_and_run(batch, params, use_tqdm)
+
+    def _add_and_run(
+        self, batch: list[Any], params: list[Any], use_tqdm: bool | Callable[..., Any]
+    ) -> Iterator[tuple[int, RequestOutput]]:
         ids = []
         try:
             for prompt, p in zip(batch, params, strict=True):
@@ -142,11 +155,13 @@ class LLM:
         """vLLM's ``beam_search``: per prompt, its ``params.beam_width`` best sequences (prompt
         ids included), best first; ``concurrency_limit`` prompts are searched at a time (None:
         all). How it runs: ``framework.beam_search``."""
+        self._check_open("beam_search")
         if lora_request is not None:
             raise NotSupportedError("beam_search(): lora_request is not supported by hyloop")
-        search = BeamSearch(self.engine, params, tag=f"beam-{self._counter}")
-        self._counter += 1
-        return search.run(prompts, use_tqdm, concurrency_limit)
+        with self._calls:
+            search = BeamSearch(self.engine, params, tag=f"beam-{self._counter}")
+            self._counter += 1
+            return search.run(prompts, use_tqdm, concurrency_limit)
 
     def chat(
         self,
@@ -194,6 +209,8 @@ class LLM:
         pending = set(ids)
         try:
             while pending and self.engine.has_unfinished_requests():
+                if self._draining:
+                    self.abort_unstarted()
                 for out in self.engine.step():
                     if out.finished and out.request_id in pending:
                         pending.discard(out.request_id)
@@ -204,6 +221,24 @@ class LLM:
             self.engine.abort_request(pending)
             bar.close()
             self.last_run_seconds = time.perf_counter() - t0
+
+    def drain(self) -> None:
+        """Admit nothing more: requests already running finish, the rest end ``abort`` (safe
+        from a signal handler: it only sets a flag, read between steps)."""
+        self._draining = True
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def abort_unstarted(self) -> None:
+        """Abort every queued request that has not started (no token sampled yet)."""
+        waiting = self.engine.scheduler.waiting
+        self.engine.abort_request([r.request_id for r in list(waiting) if not r.num_sampled])
+
+    def _check_open(self, call: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"LLM.{call}: this LLM was closed (LLM.close()); make a new one")
 
     def reset_prefix_cache(self) -> bool:
         """vLLM's: empty the prefix cache; False (nothing changed) while requests run."""
@@ -218,6 +253,7 @@ class LLM:
         return render_summary(self)
 
     def close(self) -> None:
+        self._closed = True
         self._finalizer()
 
     def __enter__(self) -> LLM:

@@ -51,9 +51,28 @@ def as_batch(prompts: Any) -> list[Any]:
     )
 
 
+def check_text(where: str, text: str) -> None:
+    """A ValueError naming ``where`` when ``text`` holds what UTF-8 cannot encode (a lone
+    surrogate, as ``"\udc00"`` in JSON): no tokenizer, output file or client could take it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{where}: character {e.start} is {text[e.start]!r}, a lone surrogate; expected "
+            "text UTF-8 can encode"
+        ) from None
+
+
 def split_prompt(where: str, prompt: Any) -> tuple[str | None, list[int] | str | Any]:
     """``(text shown in the output, what to tokenize or the ids)`` of one prompt; a dict's
     fields are checked here (an unknown one is an error naming it)."""
+    text, what = _split(where, prompt)
+    if isinstance(what, str):
+        check_text(f"{where}: prompt", what)
+    return text, what
+
+
+def _split(where: str, prompt: Any) -> tuple[str | None, list[int] | str | Any]:
     if not isinstance(prompt, dict):
         return (prompt if isinstance(prompt, str) else None), prompt
     unknown = set(prompt) - _KNOWN

@@ -1,6 +1,6 @@
-"""Requests: their host-side state, the batches the scheduler forms of them, the outputs handed
-back, and prompt validation (every error names the request, the value and what was expected;
-nothing here touches engine state, so a bad prompt fails alone)."""
+"""Requests: their host-side state (the batches the scheduler forms of them: ``batches``), the
+outputs handed back, and prompt validation (every error names the request, the value and what
+was expected; nothing here touches engine state, so a bad prompt fails alone)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,16 @@ from typing import Any
 import torch
 
 from hyloop.cache.lease import Lease
+from hyloop.framework.batches import Batch, Chunk
 from hyloop.framework.detokenizer import IncrementalText, output_text
 from hyloop.framework.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from hyloop.framework.prompts import cache_salt, split_prompt
 from hyloop.framework.sampling_params import RequestOutputKind, SamplingParams
 from hyloop.framework.stop_strings import check_stop_request
 from hyloop.graphs.ops import row_keys
+
+# Batch and Chunk live in ``batches``; importers find them here too.
+__all__ = ["Batch", "Chunk", "Request", "Status", "new_request", "request_output"]
 
 
 class Status(enum.Enum):
@@ -108,36 +112,6 @@ class Request:
     @property
     def total_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
-
-
-@dataclass
-class Chunk:
-    """``length`` new tokens of ``req`` starting at absolute position ``start``."""
-
-    req: Request
-    start: int
-    length: int
-    track_slot: int = 0  # recurrent slot to publish the state after this chunk into (0: none)
-    out_pos: int = -1  # index of the token this chunk samples; -1: len(req.output_ids)
-
-    @property
-    def completes_prompt(self) -> bool:
-        return self.start + self.length >= len(self.req.prompt_ids)
-
-
-@dataclass
-class Batch:
-    chunks: list[Chunk]
-    is_decode: bool
-    planned: bool = False  # lookahead: its input ids come from the previous step's output
-
-    @property
-    def size(self) -> int:
-        return len(self.chunks)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.length for c in self.chunks)
 
 
 def request_output(req: Request, tokenizer: Any) -> RequestOutput:

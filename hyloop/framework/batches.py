@@ -1,0 +1,39 @@
+"""The batches the scheduler forms of requests: chunks of prompt or decode positions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hyloop.framework.requests import Request
+
+
+@dataclass
+class Chunk:
+    """``length`` new tokens of ``req`` starting at absolute position ``start``."""
+
+    req: Request
+    start: int
+    length: int
+    track_slot: int = 0  # recurrent slot to publish the state after this chunk into (0: none)
+    out_pos: int = -1  # index of the token this chunk samples; -1: len(req.output_ids)
+
+    @property
+    def completes_prompt(self) -> bool:
+        return self.start + self.length >= len(self.req.prompt_ids)
+
+
+@dataclass
+class Batch:
+    chunks: list[Chunk]
+    is_decode: bool
+    planned: bool = False  # lookahead: its input ids come from the previous step's output
+
+    @property
+    def size(self) -> int:
+        return len(self.chunks)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.length for c in self.chunks)
