@@ -2,8 +2,8 @@
 
 ``load_config(files, overrides)`` merges YAML files left to right (a file may list parent files
 under ``defaults:``, merged before it), applies dotlist overrides (``kv_pool.page_size=16``),
-resolves ``${}`` interpolation and validates. A bad key or value raises ``ConfigError`` naming
-the dotted key, the bad value and what was expected.
+resolves ``${}`` interpolation (``config_files``) and validates. A bad key or value raises
+``ConfigError`` naming the dotted key, the bad value and what was expected.
 """
 
 from __future__ import annotations
@@ -11,9 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import OmegaConf
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from hyloop.framework.config_files import ConfigError, merge_config
+
+__all__ = ["CONFIG_DIR", "ConfigError", "EngineConfig", "load_config", "merge_config"]
 
 if TYPE_CHECKING:
     import torch
@@ -22,10 +25,6 @@ if TYPE_CHECKING:
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 """The presets shipped inside the package: ``engine.yaml`` (every key with its default),
 ``models/`` and ``recipes/``. Package data, so an installed hyloop finds them too."""
-
-
-class ConfigError(ValueError):
-    """A config key or value is wrong; the message names the dotted key."""
 
 
 class _Section(BaseModel):
@@ -254,24 +253,6 @@ class EngineConfig(_Section):
         return self
 
 
-def load_yaml(path: Path, seen: tuple[Path, ...] = ()) -> DictConfig:
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    if path in seen:
-        raise ConfigError(f"config defaults cycle through {path}")
-    try:
-        cfg = OmegaConf.load(path)
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"{path}: {e}") from e
-    if not isinstance(cfg, DictConfig):
-        raise ConfigError(f"{path}: expected a mapping at the top level")
-    parents = cfg.pop("defaults", None) or []
-    merged = OmegaConf.create()
-    for parent in parents:
-        merged = OmegaConf.merge(merged, load_yaml(path.parent / str(parent), (*seen, path)))
-    return OmegaConf.merge(merged, cfg)  # type: ignore[return-value]
-
-
 def load_config(
     files: list[str | Path] | str | Path | None = None,
     overrides: list[str] | None = None,
@@ -279,30 +260,6 @@ def load_config(
 ) -> EngineConfig:
     """Merge ``base`` < files < dotlist ``overrides`` and validate."""
     return validate_config(merge_config(files, overrides, base))
-
-
-def merge_config(
-    files: list[str | Path] | str | Path | None = None,
-    overrides: list[str] | None = None,
-    base: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """``base`` < YAML files (with their ``defaults:`` parents) < dotlist ``overrides``, resolved
-    to plain containers but not validated (a recipe may split off its own section first)."""
-    if isinstance(files, str | Path):
-        files = [files]
-    cfg = OmegaConf.create(base or {})
-    for f in files or []:
-        cfg = OmegaConf.merge(cfg, load_yaml(Path(f)))
-    for item in overrides or []:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r}: expected key=value")
-    try:
-        if overrides:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
-        data = OmegaConf.to_container(cfg, resolve=True)
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"config: {e}") from e
-    return data  # type: ignore[return-value]
 
 
 def validate_config(data: dict[str, Any]) -> EngineConfig:
