@@ -8,8 +8,16 @@ import argparse
 import logging
 import sys
 
+RESUME = (
+    "continue the job that wrote --output: its lines are kept (a torn last one is redone) and "
+    "only the rest run; the input and config must be the ones it was written from. Without it "
+    "an existing non-empty output is refused, never appended to or replaced"
+)
+
 
 def main(argv: list[str] | None = None) -> int:
+    from hyloop.recipes.job import Interrupted
+
     parser = argparse.ArgumentParser(prog="hyloop", description="hyloop decode-loop framework")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser(
@@ -18,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         epilog="Each input line gives one output record, in input order; a bad line gets a "
         "record with its `error` (file:line: field: reason) while the others run. Exit code: "
         "0 if every row ran, 1 if some rows failed, 2 for a command-line error (no input "
-        "file, bad config or model).",
+        "file, bad config or model), 130 / 143 after SIGINT / SIGTERM (rerun with --resume).",
     )
     gen.add_argument("--config", action="append", default=[], help="YAML config (repeatable)")
     gen.add_argument("--model", help="HF checkpoint dir or .gguf (default: SmolLM2-135M)")
@@ -26,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         "--input", help="prompts JSONL: {prompt | prompt_token_ids | messages, sampling...}"
     )
     gen.add_argument("--output", help="output JSONL (default: print texts)")
+    gen.add_argument("--resume", action="store_true", help=RESUME)
     gen.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     gen.add_argument(
         "--ray",
@@ -43,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         help="requests JSONL: {text [, voice | voice_npy] | rows | rows_npy, max_frames, ...}",
     )
     tts.add_argument("--output", help="output JSONL (frames .npy and audio .wav beside it)")
+    tts.add_argument("--resume", action="store_true", help=RESUME)
     tts.add_argument(
         "--codec",
         help="codes -> audio: 'tone' (hyloop's test codec) or module:factory; writes .wav files",
@@ -81,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("hyloop.graphs").setLevel(logging.INFO)
     try:
         if args.command == "generate" and args.ray is not None:
-            from hyloop.recipes.ray_batch import run_generate_ray
+            from hyloop.recipes.ray_generate import run_generate_ray
 
             return run_generate_ray(args)
         if args.command == "generate":
@@ -103,6 +113,12 @@ def main(argv: list[str] | None = None) -> int:
         from hyloop.recipes.graph_vs_eager import run_regress
 
         return run_regress(args)
+    except Interrupted as e:  # before any row ran: nothing to write
+        print(f"hyloop: {e}; no row ran", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:  # before a job's own handlers were in place
+        print("hyloop: interrupted by SIGINT; no row ran", file=sys.stderr)
+        return 130
     except (ValueError, FileNotFoundError) as e:
         print(f"hyloop: error: {e}", file=sys.stderr)
         return 2
@@ -120,7 +136,7 @@ def add_run_batch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         epilog="One output line per input line, in input order; a bad line gets an error line "
         "(line N: field: reason) while the others run. Exit code: 0 once the output is written "
         "(errors included, as OpenAI's batches), 2 for a command-line error (no input file, bad "
-        "config or model).",
+        "config or model), 130 / 143 after SIGINT / SIGTERM (rerun with --resume).",
     )
     EngineArgs.add_cli_args(rb)
     rb.add_argument("-i", "--input-file", required=True, help="batch input JSONL (- for stdin)")
@@ -131,6 +147,7 @@ def add_run_batch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--served-model-name",
         help="the model name in the responses; a body naming another model gets an error line",
     )
+    rb.add_argument("--resume", action="store_true", help=RESUME)
     rb.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     rb.add_argument("dotlist", nargs="*", metavar="overrides", help="config overrides, key=value")
 

@@ -20,11 +20,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hyloop.framework.chat import check_messages, render_chat
+from hyloop.framework.engine_args import EngineArgs
 from hyloop.framework.llm import LLM
 from hyloop.framework.outputs import RequestOutput
 from hyloop.framework.prompts import TokensPrompt
 from hyloop.framework.sampling_params import NotSupportedError, SamplingParams
-from hyloop.recipes.records import PROMPT_FIELDS, Line, RecordWriter, failed_fields, result_fields
+from hyloop.recipes.job import JobSignals, check_strings, read_input, row_key, row_seed
+from hyloop.recipes.job_output import JobOutput, fingerprint
+from hyloop.recipes.records import (
+    PROMPT_FIELDS,
+    Line,
+    RecordWriter,
+    failed_fields,
+    result_fields,
+    same_record,
+)
 
 if TYPE_CHECKING:
     from hyloop.models.tokenizer import TextTokenizer
@@ -73,27 +83,43 @@ def read_json_lines(path: str) -> list[tuple[int, Any]]:
     return values
 
 
-def read_rows(path: str) -> list[Line]:
-    """Every non-blank line of ``path``, each checked for structure (``check_row``): a bad one
-    carries its error, and the others still run."""
+def read_rows(path: str) -> tuple[bytes, list[Line]]:
+    """The input's bytes and every non-blank line of ``path``, each checked for structure
+    (``check_row``): a bad one (not UTF-8, not JSON, a bad field) carries its error, and the
+    others still run."""
+    data, texts = read_input(path)
     lines = []
-    with open(path) as fh:
-        for n, text in enumerate(fh, 1):
-            if not text.strip():
-                continue
-            try:
-                value = json.loads(text)
-            except json.JSONDecodeError as e:
-                lines.append(Line(n, None, f"{path}:{n}: invalid JSON ({e})"))
-                continue
-            row = value if isinstance(value, dict) else None
-            try:
-                check_row(f"{path}:{n}", value)
-            except ValueError as e:
-                lines.append(Line(n, row, str(e)))
-                continue
-            lines.append(Line(n, row))
-    return lines
+    for n, text in enumerate(texts, 1):
+        if isinstance(text, ValueError):
+            lines.append(Line(n, None, str(text)))
+            continue
+        if not text.strip():
+            continue
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            lines.append(Line(n, None, f"{path}:{n}: invalid JSON ({e})"))
+            continue
+        row = value if isinstance(value, dict) else None
+        try:
+            check_row(f"{path}:{n}", value)
+        except ValueError as e:
+            lines.append(Line(n, row, str(e)))
+            continue
+        lines.append(Line(n, row))
+    return data, lines
+
+
+def check_model(model: str, flag: str = "--model") -> None:
+    """The checkpoint path exists (checked before any output is created)."""
+    if not Path(model).exists():
+        raise FileNotFoundError(f"{flag} {model}: no such file or directory")
+
+
+def seed_unseeded(params: SamplingParams, config_seed: int, row: dict[str, Any], n: int) -> None:
+    """A row without a seed samples from ``row_seed`` of its ``id`` (else its line number)."""
+    if params.seed is None:
+        params.seed = row_seed(config_seed, row_key(row, n))
 
 
 def check_row(where: str, value: Any) -> None:
@@ -109,6 +135,7 @@ def check_row(where: str, value: Any) -> None:
         raise ValueError(
             f"{where}: expected an object with one of `prompt`, `prompt_token_ids` or `messages`"
         )
+    check_strings(where, value)
     unknown = set(value) - ROW_FIELDS
     if unknown:
         raise ValueError(
@@ -217,20 +244,32 @@ def generate_isolated(
 
 def run_generate(args: argparse.Namespace) -> int:
     """``hyloop generate``: 0 when every row ran, 1 when some failed (each written with its
-    ``error``); a CLI-level error (no input file, bad config) raises, for exit code 2."""
-    lines = read_rows(args.input) if args.input else []  # before the model loads
+    ``error``), 130 / 143 when a signal stopped it (``--resume`` finishes it); a CLI-level error
+    (no input file, bad config or model, an output that may not be written) raises, for exit
+    code 2, before any output is created."""
+    data, lines = read_rows(args.input) if args.input else (b"", [])  # before the model loads
     model = args.model or str(default_checkpoint())
-    with LLM(model=model, config=args.config or None, overrides=args.overrides) as llm:
+    check_model(model)
+    config = EngineArgs(model=model, config=args.config or None, overrides=args.overrides)
+    cfg = config.create_engine_config()
+    out = JobOutput(args.output)
+    done = out.check(args.input, getattr(args, "resume", False), len(lines), same_record(lines))
+    with JobSignals() as signals, LLM(config=cfg) as llm:
+        out.open(fingerprint(data, {"generate": cfg.model_dump()}))
+        signals.start(llm.drain)
         ready: list[tuple[int, Prompt, SamplingParams]] = []
         if args.input:
             defaults = llm.engine.default_params()
             for i, line in enumerate(lines):
-                if line.error is None and line.row is not None:
+                if i >= done and line.error is None and line.row is not None:
                     where = f"{args.input}:{line.number}"
                     try:
-                        ready.append((i, *prepare(llm, where, line.row, defaults)))
+                        prompt, params = prepare(llm, where, line.row, defaults)
                     except (ValueError, TypeError) as e:
                         line.error = error_text(where, e)
+                        continue
+                    seed_unseeded(params, cfg.seed, line.row, line.number)
+                    ready.append((i, prompt, params))
         else:  # the built-in demo: greedy, each prompt as a chat when the model has a template
             tok = llm.tokenizer
             demo = SamplingParams(temperature=0.0, max_tokens=48)
@@ -239,21 +278,31 @@ def run_generate(args: argparse.Namespace) -> int:
                 chat = [{"role": "user", "content": p}]
                 prompt = render_chat("demo", chat, tok) if tok and tok.chat_template else p
                 ready.append((i, prompt, demo))
-        with RecordWriter(args.output, lines) as sink:
+        with RecordWriter(out, lines, done) as sink:
             for i, line in enumerate(lines):
                 if line.error is not None:
                     sink.put(i, failed_fields(line.error))
             items = [(p, s) for _, p, s in ready]
-            for j, out in generate_isolated(llm, items, use_tqdm=not args.no_progress):
+            for j, res in generate_isolated(llm, items, use_tqdm=not args.no_progress):
                 i, _, params = ready[j]
                 where = f"{args.input or 'demo'}:{lines[i].number}"
-                if isinstance(out, ValueError):
-                    sink.put(i, failed_fields(error_text(where, out)))
-                elif out.error is not None:  # it failed in the engine; the rest ran on
-                    sink.put(i, failed_fields(f"{where}: {out.error}"))
+                if isinstance(res, ValueError):
+                    sink.put(i, failed_fields(error_text(where, res)))
+                elif res.outputs[0].finish_reason == "abort":
+                    continue  # drained before it ran: written on resume
+                elif res.error is not None:  # it failed in the engine; the rest ran on
+                    sink.put(i, failed_fields(f"{where}: {res.error}"))
                 else:
-                    sink.put(i, result_fields(out, params, llm.tokenizer is not None))
+                    sink.put(i, result_fields(res, params, llm.tokenizer is not None))
+            sink.partial = signals.signum is not None
         print("\n" + llm.summary(), file=sys.stderr if args.output else sys.stdout)
+    if signals.exit_code is not None:
+        print(
+            f"generate: interrupted by {signals.name}: {sink.written} of {len(lines)} rows in "
+            f"{args.output or 'stdout'}; rerun with --resume to finish",
+            file=sys.stderr,
+        )
+        return signals.exit_code
     if args.input:
         print(f"{len(lines) - sink.failed} rows done, {sink.failed} failed", file=sys.stderr)
     return 1 if sink.failed else 0

@@ -15,6 +15,7 @@ from typing import Any
 
 from hyloop.framework.chat import check_messages
 from hyloop.framework.sampling_params import NotSupportedError, SamplingParams
+from hyloop.recipes.job import check_strings
 from hyloop.recipes.openai_constraints import GUIDED, structured_outputs
 
 CHAT, COMPLETION = "/v1/chat/completions", "/v1/completions"
@@ -94,12 +95,16 @@ class BatchRow:
         return f"line {self.line}"
 
 
-def parse_rows(lines: Iterable[str], served: str | None) -> list[BatchRow]:
+def parse_rows(lines: Iterable[str | ValueError], served: str | None) -> list[BatchRow]:
     """A row per non-blank line, in order; ``served``: the name a body's ``model`` must match
-    (None: any name). A row that fails a check carries its error; the rest still parse."""
+    (None: any name). A row that fails a check carries its error; the rest still parse. A line
+    given as a ValueError (it could not be decoded) is that row's error."""
     rows: list[BatchRow] = []
     seen: set[str] = set()
     for n, text in enumerate(lines, 1):
+        if isinstance(text, ValueError):
+            rows.append(BatchRow(line=n, error=RowError(f"line {n}: {text}")))
+            continue
         if not text.strip():
             continue
         row = BatchRow(line=n)
@@ -119,8 +124,10 @@ def _parse(row: BatchRow, text: str, seen: set[str], served: str | None) -> None
         raise RowError(f"{where}: invalid JSON ({e})") from None
     if not isinstance(obj, dict):
         raise RowError(f"{where}: got {_short(obj)}; expected a JSON object")
-    if isinstance(obj.get("custom_id"), str):
-        row.custom_id = obj["custom_id"]
+    cid = obj.get("custom_id")
+    if _encodable(cid):
+        row.custom_id = cid  # its error line names it, whatever else is wrong
+    check_strings(where, obj)  # a lone surrogate could reach neither a tokenizer nor the output
     for key in ("custom_id", "method", "url", "body"):
         if key not in obj:
             raise RowError(f"{where}: no `{key}`; a row has custom_id, method, url and body")
@@ -274,6 +281,16 @@ def completion_prompt(where: str, prompt: Any) -> str | list[int]:
         f"{where}: body.prompt: got {_short(prompt)}; expected a non-empty string, a list of "
         "token ids, or a list of one of those"
     )
+
+
+def _encodable(value: object) -> bool:
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _integer(value: object) -> bool:

@@ -11,10 +11,7 @@ the engine knows nothing of Ray.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,7 +21,6 @@ import pyarrow as pa
 import ray
 import ray.data
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from tqdm.auto import tqdm
 
 from hyloop.framework.config import ConfigError, EngineConfig, merge_config, validate_config
 from hyloop.framework.llm import LLM
@@ -32,11 +28,9 @@ from hyloop.framework.sampling_params import SamplingParams
 from hyloop.models.loader import load_tokenizer
 from hyloop.recipes.offline import (
     Prompt,
-    default_checkpoint,
     error_text,
     generate_isolated,
     prepare,
-    read_rows,
 )
 from hyloop.recipes.prefix_shards import ShardPlan, key_block, plan_shards
 from hyloop.recipes.ray_blocks import (
@@ -49,7 +43,7 @@ from hyloop.recipes.ray_blocks import (
     prefix_keys,
     regroup,
 )
-from hyloop.recipes.records import RecordWriter, failed_fields, result_fields
+from hyloop.recipes.records import failed_fields, result_fields
 
 ConfigSource = str | Path | list[str | Path] | dict[str, Any] | None  # YAML path(s) or a dict
 LOGPROB = pa.struct(  # one entry of a position's logprobs (see hyloop.recipes.records)
@@ -267,54 +261,3 @@ def init_ray(address: str | None) -> None:
     """Join ``address``, or start a local Ray; a running one is kept."""
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False if address is None else None)
-
-
-def run_generate_ray(args: argparse.Namespace) -> int:
-    """``hyloop generate --ray N``: the JSONL rows through N replicas, written in input order as
-    ``hyloop generate`` writes them; 1 when some rows failed, each written with its ``error``."""
-    if args.ray < 1:
-        raise ValueError(f"--ray: got {args.ray}; expected a number of replicas >= 1")
-    if not args.input:
-        raise ValueError("--ray needs --input, a JSONL of rows to generate from")
-    lines = read_rows(args.input)  # structure checked here; the rest in the replicas
-    model = args.model or str(default_checkpoint())
-    overrides = [*args.overrides, f"model.path={model}"]
-    _, opts = split_config(args.config or None, overrides)
-    good = [i for i, line in enumerate(lines) if line.error is None]
-    with RecordWriter(args.output, lines) as sink:
-        for i, line in enumerate(lines):
-            if line.error is not None:
-                sink.put(i, failed_fields(line.error))
-        if good:
-            init_ray(opts.address)
-            ray.data.DataContext.get_current().enable_progress_bars = not args.no_progress
-            # Rows travel as JSON text: values of any type reach their replica as written,
-            # where Arrow would need one type per column across blocks.
-            requests = [
-                {
-                    REQUEST: json.dumps(
-                        {k: v for k, v in (lines[i].row or {}).items() if k in REQUEST_FIELDS}
-                    ),
-                    WHERE: f"{args.input}:{lines[i].number}",
-                }
-                for i in good
-            ]
-            blocks = max(1, len(requests) // opts.batch_size)
-            ds = ray.data.from_items(requests, override_num_blocks=blocks)
-            out = generate_rows(ds, args.config or None, overrides, args.ray)
-            bar = tqdm(total=len(good), desc="rows", unit="row", disable=args.no_progress)
-            with bar:
-                for batch in out.select_columns([ROW, *OUTPUT_TYPES]).iter_batches(
-                    batch_size=None, batch_format="pyarrow"
-                ):
-                    for result in batch.to_pylist():
-                        sink.put(good[result.pop(ROW)], result)
-                    bar.update(batch.num_rows)
-    computed = sink.prompt_tokens - sink.cached_tokens
-    print(
-        f"{len(lines) - sink.failed} rows done, {sink.failed} failed; {args.ray} replicas "
-        f"({'prefix affinity' if opts.prefix_affinity else 'default split'}); prefill "
-        f"{computed} tokens computed, {sink.cached_tokens} cached",
-        file=sys.stderr,
-    )
-    return 1 if sink.failed else 0

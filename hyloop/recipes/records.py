@@ -20,11 +20,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
 from hyloop.framework.outputs import RequestOutput
 from hyloop.framework.sampling_params import SamplingParams
+from hyloop.recipes.job_output import JobOutput
 
 PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")  # a row gives exactly one
 RECORD_FIELDS = (  # what every record of a row that ran adds
@@ -90,22 +92,31 @@ def failed_fields(error: str) -> dict[str, Any]:
 
 
 class RecordWriter:
-    """Writes each line's record in input order as results come in, in any order: to
-    ``output`` (JSONL) or, with none, the texts to stdout; errors also go to stderr."""
+    """Writes each line's record in input order as results come in, in any order: to ``out``
+    (a ``JobOutput``; with no path, the texts to stdout); errors also go to stderr. ``start``:
+    lines already on disk (a resumed job). Leaving with rows missing is an error unless
+    ``partial`` (a drained job: they run on resume)."""
 
-    def __init__(self, output: str | None, lines: list[Line]) -> None:
-        self.lines = lines
-        self.fh = open(output, "w") if output else None  # noqa: SIM115
+    def __init__(self, out: JobOutput, lines: list[Line], start: int = 0) -> None:
+        self.lines, self.out = lines, out
+        self.to_file = out.path is not None
         self.pending: dict[int, dict[str, Any]] = {}
-        self.written = self.failed = self.prompt_tokens = self.cached_tokens = 0
+        self.start = self.written = start
+        self.failed = self.prompt_tokens = self.cached_tokens = 0
+        self.partial = False
 
     def put(self, i: int, result: dict[str, Any]) -> None:
+        if i < self.start:
+            return
         self.pending[i] = result
+        text = []
         while self.written in self.pending:
-            self._write(self.lines[self.written], self.pending.pop(self.written))
+            text.append(self._record(self.lines[self.written], self.pending.pop(self.written)))
             self.written += 1
+        if self.to_file and text:
+            self.out.write("".join(text))
 
-    def _write(self, line: Line, result: dict[str, Any]) -> None:
+    def _record(self, line: Line, result: dict[str, Any]) -> str:
         rec = dict(line.row or {})
         if result["error"] is not None:
             self.failed += 1
@@ -117,12 +128,11 @@ class RecordWriter:
                 rec.update({k: result[k] for k in ("cumulative_logprob", "logprobs")})
             self.prompt_tokens += result["num_prompt_tokens"]
             self.cached_tokens += result["num_cached_tokens"]
-            if self.fh is None:
+            if not self.to_file:
                 prompt = next(rec[f] for f in PROMPT_FIELDS if f in rec)
                 text = rec["text"] if rec["text"] is not None else rec["token_ids"]
                 print(f"\n>>> {prompt}\n{text}")
-        if self.fh is not None:
-            self.fh.write(json.dumps(rec) + "\n")
+        return json.dumps(rec) + "\n"  # ASCII: whatever a row held, the line encodes
 
     def __enter__(self) -> RecordWriter:
         return self
@@ -130,7 +140,23 @@ class RecordWriter:
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if self.fh is not None:
-            self.fh.close()
-        if kind is None and self.written != len(self.lines):
+        self.out.close()
+        if kind is None and not self.partial and self.written != len(self.lines):
             raise RuntimeError(f"{len(self.lines) - self.written} rows got no result")
+
+
+def same_record(lines: list[Line]) -> Callable[[int, dict[str, Any]], bool]:
+    """Whether output record ``k`` was written for input line ``k`` (it holds the row's own
+    fields as given; a line that was no JSON object gets a record of ``error`` alone)."""
+
+    def same(k: int, record: dict[str, Any]) -> bool:
+        row = lines[k].row
+        if row is None:
+            return set(record) == {"error"}
+        return all(_canon(record.get(key)) == _canon(v) for key, v in row.items())
+
+    return same
+
+
+def _canon(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)

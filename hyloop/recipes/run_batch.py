@@ -2,127 +2,139 @@
 
 Every input line is checked before the model loads (``openai_batch``; a file with no valid line
 never loads it); a bad line gets its own error line and the others still run. Output lines, the
-``/v1/chat/completions`` or ``/v1/completions`` response bodies vLLM writes, keep the input's
-order and are written as requests finish, each once the lines before it are out.
+``/v1/chat/completions`` or ``/v1/completions`` response bodies vLLM writes (``openai_lines``),
+keep the input's order and are written as requests finish, each once the lines before it are
+out. The output is a resumable job output (``job_output``; signals: ``job``).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import logging
-import math
 import sys
-import time
-import uuid
-from collections.abc import Iterator
-from typing import IO, Any
+from typing import Any
 
 from tqdm.auto import tqdm
 
 from hyloop.framework.chat import render_chat
 from hyloop.framework.engine_args import EngineArgs
 from hyloop.framework.llm import LLM
-from hyloop.framework.outputs import CompletionOutput, Logprob, RequestOutput
 from hyloop.framework.prompts import TokensPrompt
 from hyloop.framework.sampling_params import RequestOutputKind, SamplingParams
-from hyloop.recipes.offline import default_checkpoint
-from hyloop.recipes.openai_batch import (
-    CHAT,
-    BatchRow,
-    RowError,
-    parse_rows,
-)
+from hyloop.recipes.job import JobSignals, read_input, row_seed
+from hyloop.recipes.job_output import JobOutput, fingerprint
+from hyloop.recipes.offline import check_model, default_checkpoint
+from hyloop.recipes.openai_batch import CHAT, BatchRow, RowError, parse_rows
+from hyloop.recipes.openai_lines import error_line, success_line
 
+__all__ = ["OrderedWriter", "error_line", "run_batch", "run_rows", "success_line"]
 log = logging.getLogger(__name__)
 
 
 class OrderedWriter:
     """Writes output line ``i`` once lines ``0..i-1`` are written: results come in any order,
-    the file keeps the input's and is flushed as it grows."""
+    the file keeps the input's, each line written whole as soon as order allows. ``start``:
+    lines already on disk (a resumed job); results for them are ignored."""
 
-    def __init__(self, fh: IO[str], bar: Any) -> None:
+    def __init__(self, fh: Any, bar: Any, start: int = 0) -> None:
         self.fh, self.bar = fh, bar
-        self.next = 0
+        self.next = self.start = start
         self.waiting: dict[int, dict[str, Any]] = {}
         self.errors = 0
 
     def put(self, index: int, record: dict[str, Any]) -> None:
+        if index < self.start:
+            return
         self.waiting[index] = record
         self.errors += record["error"] is not None
         self.bar.update(1)
-        if self.next not in self.waiting:
-            return
+        out = []
         while self.next in self.waiting:
-            self.fh.write(json_line(self.waiting.pop(self.next)))
+            out.append(json_line(self.waiting.pop(self.next)))
             self.next += 1
-        self.fh.flush()
+        if out:
+            self.fh.write("".join(out))
+            self.fh.flush()
 
 
 def json_line(record: dict[str, Any]) -> str:
-    return json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n"
-
-
-def read_lines(path: str) -> list[str]:
-    """The input file's lines (``-``: stdin); a missing file raises FileNotFoundError."""
-    if path == "-":
-        return sys.stdin.read().splitlines()
+    line = json.dumps(record, ensure_ascii=False, allow_nan=False)
     try:
-        with open(path, encoding="utf-8") as fh:
-            return fh.read().splitlines()
-    except FileNotFoundError:
-        raise FileNotFoundError(f"--input-file {path}: no such file") from None
-
-
-@contextlib.contextmanager
-def open_output(path: str) -> Iterator[IO[str]]:
-    """The output file (``-``: stdout), opened before the model loads so a bad path fails
-    first."""
-    if path == "-":
-        yield sys.stdout
-        return
-    with open(path, "w", encoding="utf-8") as fh:
-        yield fh
+        line.encode("utf-8")
+    except UnicodeEncodeError:  # rows are checked for such text; never lose a line to it
+        line = json.dumps(record, allow_nan=False)
+    return line + "\n"
 
 
 def run_batch(args: argparse.Namespace) -> int:
-    """The CLI entry: read and check the file, then (if any line is valid) load and run."""
+    """The CLI entry: read and check the file, the config, the model and the output; then (if
+    any line is left to run) load the model and run. 0 once every line is written; 130 / 143
+    when a signal stopped it (the lines written so far are whole: ``--resume`` finishes it)."""
     name = args.served_model_name
-    rows = parse_rows(read_lines(args.input_file), name or None)
-    model = args.model or str(default_checkpoint())
-    served = name or model
-    valid = [i for i, r in enumerate(rows) if r.error is None]
-    if not name:
-        others = sorted({m for i in valid if (m := rows[i].body.get("model")) not in (None, model)})
-        if others:
-            log.warning(
-                "body.model %s differs from the served model %r; running them on it (give "
-                "--served-model-name to refuse other names)",
-                ", ".join(map(repr, others)),
-                served,
-            )
+    data, texts = read_input(args.input_file, "--input-file")
+    rows = parse_rows(texts, name or None)
+    args.model = args.model or str(default_checkpoint())
+    check_model(args.model)
+    served = name or args.model
+    engine_args = EngineArgs.from_cli_args(args)
+    config = engine_args.create_engine_config()  # a bad config fails here, before any output
+    out = JobOutput(args.output_file, "--output-file")
+    done = out.check(
+        args.input_file,
+        getattr(args, "resume", False),
+        len(rows),
+        lambda k, rec: rec.get("custom_id") == rows[k].custom_id,
+    )
+    job = fingerprint(data, {"run-batch": config.model_dump(), "served": served})
+    valid = [i for i, r in enumerate(rows) if r.error is None and i >= done]
+    _warn_other_models(rows, valid, name, args.model, served)
     summary = None
-    with open_output(args.output_file) as fh:
-        bar = tqdm(total=len(rows), desc="run-batch", disable=args.no_progress, dynamic_ncols=True)
-        writer = OrderedWriter(fh, bar)
+    bar = tqdm(total=len(rows), initial=done, desc="run-batch", disable=args.no_progress)
+    writer = OrderedWriter(out, bar, start=done)
+    with JobSignals() as signals:
         try:
             if not valid:
+                out.open(job)
                 write_errors(rows, writer)
             else:
-                args.model = model
-                with LLM.from_engine_args(EngineArgs.from_cli_args(args)) as llm:
-                    write_errors(rows, writer)  # once the model loaded: no partial output
-                    run_rows(llm, rows, valid, writer, served)
+                with LLM.from_engine_args(engine_args) as llm:
+                    out.open(job)  # once the model loaded: a failed load leaves no output
+                    signals.start(llm.drain)
+                    write_errors(rows, writer)
+                    run_rows(llm, rows, valid, writer, served, seed=config.seed)
                     summary = llm.summary()
         finally:
+            out.close()
             bar.close()
     if summary is not None:
         print("\n" + summary, file=sys.stderr)
     where = "stdout" if args.output_file == "-" else args.output_file
+    if signals.exit_code is not None:
+        print(
+            f"run-batch: interrupted by {signals.name}: {writer.next} of {len(rows)} lines in "
+            f"{where}; rerun with --resume to finish",
+            file=sys.stderr,
+        )
+        return signals.exit_code
     print(f"run-batch: {len(rows)} lines to {where}, {writer.errors} errors", file=sys.stderr)
     return 0
+
+
+def _warn_other_models(
+    rows: list[BatchRow], valid: list[int], name: str | None, model: str, served: str
+) -> None:
+    if name:
+        return
+    others = sorted({m for i in valid if (m := rows[i].body.get("model")) not in (None, model)})
+    if others:
+        log.warning(
+            "body.model %s differs from the served model %r; running them on it (give "
+            "--served-model-name to refuse other names)",
+            ", ".join(map(repr, others)),
+            served,
+        )
 
 
 def write_errors(rows: list[BatchRow], writer: OrderedWriter) -> None:
@@ -132,10 +144,17 @@ def write_errors(rows: list[BatchRow], writer: OrderedWriter) -> None:
 
 
 def run_rows(
-    llm: LLM, rows: list[BatchRow], valid: list[int], writer: OrderedWriter, served: str
+    llm: LLM,
+    rows: list[BatchRow],
+    valid: list[int],
+    writer: OrderedWriter,
+    served: str,
+    seed: int = 0,
 ) -> None:
     """Queue each valid row (one the model refuses, a context too long or an unknown token
-    id, gets its error line and the rest still run), then step the engine until all finish."""
+    id, gets its error line and the rest still run), then step the engine until all finish.
+    A row without a seed gets ``row_seed(seed, custom_id)``. Once ``llm.drain()`` was called
+    no row is added or admitted; what ends aborted is left unwritten, to run on resume."""
     engine = llm.engine
     defaults = llm.get_default_sampling_params()
     # vLLM's server rule: a chat without max tokens may fill the context (or the checkpoint's
@@ -144,10 +163,14 @@ def run_rows(
     live: dict[str, int] = {}
     try:
         for i in valid:
+            if llm.draining:
+                break
             row = rows[i]
             try:
                 prompt = row_prompt(row, llm.tokenizer)
                 params = row_params(row, defaults, chat_max)
+                if params.seed is None:
+                    params.seed = row_seed(seed, row.custom_id or row.where)
                 engine.add_request(row.request_id, prompt, params)
             except Exception as e:  # one row's failure is its own error line
                 if not isinstance(e, ValueError):
@@ -156,16 +179,22 @@ def run_rows(
                 continue
             live[row.request_id] = i
         while live and engine.has_unfinished_requests():
+            if llm.draining:
+                llm.abort_unstarted()
             for out in engine.step():
                 i = live.pop(out.request_id, None) if out.finished else None
-                if i is not None and out.error is not None:  # it failed in the engine
+                if i is None or any(c.finish_reason == "abort" for c in out.outputs):
+                    continue  # drained before it ran: its line is written on resume
+                if out.error is not None:  # it failed in the engine
                     msg = f"{rows[i].where}: {out.error}"
                     writer.put(i, error_line(rows[i], RowError(msg, 500, "internal_error")))
-                elif i is not None:
+                else:
                     writer.put(i, success_line(rows[i], out, served))
     finally:
         if live:
             engine.abort_request(list(live))
+    if llm.draining:
+        return
     for rid, i in live.items():  # the engine ran dry without finishing them: never expected
         msg = f"{rows[i].where}: request {rid} ended without an output"
         writer.put(i, error_line(rows[i], RowError(msg, status=500, code="internal_error")))
@@ -208,108 +237,3 @@ def _row_error(row: BatchRow, error: Exception) -> RowError:
     if message.startswith(params):
         message = "body" + message[len(params) :]
     return RowError(f"{row.where}: {message}", err.status, err.code)
-
-
-# -- output lines ---------------------------------------------------------------------------
-def error_line(row: BatchRow, error: RowError) -> dict[str, Any]:
-    """The output line of a row that got no response: no body, the error's code and message."""
-    return {
-        "id": f"batch_req_{uuid.uuid4().hex}",
-        "custom_id": row.custom_id,
-        "response": {"status_code": error.status, "request_id": row.request_id, "body": None},
-        "error": {"code": error.code, "message": str(error)},
-    }
-
-
-def success_line(row: BatchRow, out: RequestOutput, model: str) -> dict[str, Any]:
-    """A finished request's output line: a ChatCompletion or Completion body as vLLM's server
-    returns it (``stop_reason`` is vLLM's: the stop token id that ended it)."""
-    generated = sum(len(c.token_ids) for c in out.outputs)
-    usage = {
-        "prompt_tokens": len(out.prompt_token_ids),
-        "completion_tokens": generated,
-        "total_tokens": len(out.prompt_token_ids) + generated,
-        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
-    }
-    k = row.sampling.get("logprobs")
-    chat = row.url == CHAT
-    kind, prefix = ("chat.completion", "chatcmpl") if chat else ("text_completion", "cmpl")
-    choices = []
-    for sample in out.outputs:  # one choice per sample (``n``)
-        choice: dict[str, Any] = {"index": sample.index}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": sample.text}
-            choice["logprobs"] = _chat_logprobs(sample, k) if k is not None else None
-        else:
-            choice["text"] = sample.text
-            choice["logprobs"] = _completion_logprobs(sample, k) if k is not None else None
-        choice.update(finish_reason=sample.finish_reason, stop_reason=sample.stop_reason)
-        choices.append(choice)
-    body = {
-        "id": f"{prefix}-{uuid.uuid4().hex}",
-        "object": kind,
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": usage,
-    }
-    return {
-        "id": f"batch_req_{uuid.uuid4().hex}",
-        "custom_id": row.custom_id,
-        "response": {"status_code": 200, "request_id": row.request_id, "body": body},
-        "error": None,
-    }
-
-
-def _chat_logprobs(sample: CompletionOutput, k: int) -> dict[str, Any]:
-    """Chat's shape: each generated token with its bytes and the ``k`` most likely ones."""
-    content = []
-    for tid, entry in zip(sample.token_ids, sample.logprobs or [], strict=False):
-        top = [_chat_entry(lp) for _, lp in _ranked(entry)[:k]]
-        content.append({**_chat_entry(entry[tid]), "top_logprobs": top})
-    return {"content": content}
-
-
-def _chat_entry(lp: Logprob) -> dict[str, Any]:
-    token = lp.decoded_token or ""
-    return {"token": token, "logprob": _finite(lp.logprob), "bytes": list(token.encode())}
-
-
-def _completion_logprobs(sample: CompletionOutput, k: int) -> dict[str, Any]:
-    """The legacy completions shape: parallel lists, ``text_offset`` counted from the start
-    of the generated text, and per token the ``k`` most likely ones plus the sampled one."""
-    tokens: list[str] = []
-    token_logprobs: list[float] = []
-    top_logprobs: list[dict[str, float]] = []
-    offsets: list[int] = []
-    offset = 0
-    for tid, entry in zip(sample.token_ids, sample.logprobs or [], strict=False):
-        chosen = entry[tid]
-        token = chosen.decoded_token or ""
-        tokens.append(token)
-        token_logprobs.append(_finite(chosen.logprob))
-        offsets.append(offset)
-        offset += len(token)
-        top: dict[str, float] = {}
-        for _, lp in _ranked(entry)[:k]:
-            top.setdefault(lp.decoded_token or "", _finite(lp.logprob))
-        top.setdefault(token, _finite(chosen.logprob))  # OpenAI: the sampled one is always there
-        top_logprobs.append(top)
-    return {
-        "tokens": tokens,
-        "token_logprobs": token_logprobs,
-        "top_logprobs": top_logprobs,
-        "text_offset": offsets,
-    }
-
-
-def _ranked(entry: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
-    """A position's entries, most likely first (the sampled token sits at its own rank)."""
-    return sorted(
-        entry.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0, -kv[1].logprob)
-    )
-
-
-def _finite(value: float) -> float:
-    """JSON has no infinities: vLLM's floor for an impossible token."""
-    return -9999.0 if math.isnan(value) else max(float(value), -9999.0)

@@ -21,13 +21,22 @@ import argparse
 import dataclasses
 import importlib
 import json
+import re
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from hyloop.recipes.offline import read_json_lines
-from hyloop.tts import ToneCodec, TTSEngine, TTSParams, TTSPrompt, write_wav
+from hyloop.framework.engine_args import EngineArgs
+from hyloop.framework.requests import row_prompt
+from hyloop.recipes.job import JobSignals, check_strings, read_input, row_key, row_seed
+from hyloop.recipes.job_output import JobOutput, fingerprint
+from hyloop.recipes.offline import check_model
+from hyloop.recipes.records import Line, same_record
+from hyloop.recipes.tts_records import FrameWriter
+from hyloop.tts import ToneCodec, TTSEngine, TTSParams, TTSPrompt
 from hyloop.tts.codec import Codec
 
 ROW_FIELDS = ("rows", "rows_npy")
@@ -46,7 +55,10 @@ def _npy(base: Path, name: Any, where: str, what: str) -> np.ndarray:
     path = base / str(name)
     if not path.is_file():
         raise ValueError(f"{where}: {what}: no file {path}")
-    return np.load(path)
+    try:
+        return np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise ValueError(f"{where}: {what}: {path} is not an .npy array ({e})") from None
 
 
 def _prompt(row: dict[str, Any], base: Path, where: str) -> tuple[Any, dict[str, Any]]:
@@ -73,18 +85,52 @@ def _prompt(row: dict[str, Any], base: Path, where: str) -> tuple[Any, dict[str,
     return TTSPrompt.from_fields(dict(fields, voice=voice), where), rest
 
 
-def load_requests(path: str) -> tuple[list[dict[str, Any]], list[Any], list[TTSParams]]:
+@dataclass
+class Entry:
+    """A non-blank input line: its record line and, when it can run, its prompt and params."""
+
+    line: Line
+    prompt: Any = None
+    params: TTSParams | None = None
+
+
+def load_requests(path: str) -> tuple[bytes, list[Entry]]:
+    """Every non-blank line, checked without the model; a bad one carries its error
+    (``<input>:<line>: <field>: <reason>``) and the others still run."""
     base = Path(path).parent
-    records, prompts, params = [], [], []
-    for n, row in read_json_lines(path):
+    data, texts = read_input(path)
+    entries = []
+    for n, text in enumerate(texts, 1):
         where = f"{path}:{n}"
-        if not isinstance(row, dict):
-            raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-        prompt, fields = _prompt(row, base, where)
-        params.append(TTSParams.from_dict(fields, where))
-        records.append(row)
-        prompts.append(prompt)
-    return records, prompts, params
+        if isinstance(text, ValueError):
+            entries.append(Entry(Line(n, None, str(text))))
+            continue
+        if not text.strip():
+            continue
+        try:
+            row = json.loads(text)
+        except json.JSONDecodeError as e:
+            entries.append(Entry(Line(n, None, f"{where}: invalid JSON ({e})")))
+            continue
+        entry = Entry(Line(n, row if isinstance(row, dict) else None))
+        try:
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+            check_strings(where, row)
+            entry.prompt, fields = _prompt(row, base, where)
+            entry.params = TTSParams.from_dict(fields, where)
+        except ValueError as e:
+            entry.line.error = _field_error(where, str(e))
+        entries.append(entry)
+    return data, entries
+
+
+def _field_error(where: str, message: str) -> str:
+    """``where.field: reason`` (the params' own naming) as ``where: field: reason``."""
+    message = re.sub(r"^request '[^']*': ", "", message)
+    if message.startswith(f"{where}."):
+        return f"{where}: {message[len(where) + 1 :]}"
+    return message if message.startswith(where) else f"{where}: {message}"
 
 
 def load_codec(spec: str | None) -> Codec | None:
@@ -105,39 +151,74 @@ def load_codec(spec: str | None) -> Codec | None:
 
 
 def run_tts(args: argparse.Namespace) -> int:
+    """0 when every line ran, 1 when some failed (each with its record's ``error``, on stderr
+    too), 130 / 143 after a signal (``--resume`` finishes it); 2 for a command-line error."""
     if not args.model:
         raise ValueError("--model: a TTS checkpoint directory is required")
     if not args.input or not args.output:
         raise ValueError("--input and --output are required (JSONL in, JSONL out)")
-    records, prompts, params = load_requests(args.input)
+    data, entries = load_requests(args.input)
+    check_model(args.model)
     codec = load_codec(getattr(args, "codec", None))
+    config = EngineArgs(model=args.model, config=args.config or None, overrides=args.overrides)
+    cfg = config.create_engine_config()
+    lines = [e.line for e in entries]
+    out = JobOutput(args.output)
+    done = out.check(args.input, getattr(args, "resume", False), len(lines), same_record(lines))
+    job = fingerprint(data, {"tts": cfg.model_dump(), "codec": getattr(args, "codec", None)})
     out_path = Path(args.output)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    cfg = args.config or None
-    with TTSEngine(args.model, config=cfg, overrides=args.overrides, codec=codec) as tts:
-        outs = tts.generate(prompts, params, use_tqdm=not args.no_progress)
-        with open(out_path, "w") as fh:
-            for i, (rec, out) in enumerate(zip(records, outs, strict=True)):
-                frames = out_path.with_name(f"{out_path.stem}.{i}.npy")
-                np.save(frames, out.rows)
-                line = dict(rec)
-                line.update(
-                    frames=frames.name,
-                    num_frames=len(out.rows),
-                    finish_reason=out.finish_reason,
-                    num_cached_rows=out.num_cached_rows,
-                )
-                if out.audio is not None and out.sample_rate is not None:
-                    wav = out_path.with_name(f"{out_path.stem}.{i}.wav")
-                    write_wav(wav, out.audio, out.sample_rate)
-                    m = out.metrics
-                    line.update(
-                        audio=wav.name,
-                        sample_rate=out.sample_rate,
-                        time_to_first_audio_s=m.time_to_first_audio_s if m else None,
-                        rtf=m.rtf if m else None,
-                    )
-                fh.write(json.dumps(line) + "\n")
+    with JobSignals() as signals, TTSEngine(args.model, config=cfg, codec=codec) as tts:
+        for n, e in enumerate(entries):
+            if n >= done and e.line.error is None and e.params is not None:
+                _check_entry(tts, e, args.input, cfg.seed)
+        out.open(job)
+        signals.start(tts.llm.drain)
+        writer = FrameWriter(out, out_path, lines, done)
+        for n, e in enumerate(entries):
+            if n >= done and e.line.error is not None:
+                writer.put(n, None, e.line.error)
+        todo = [n for n, e in enumerate(entries) if n >= done and e.line.error is None]
+        step = max(1, cfg.scheduler.max_running_requests)  # one batch runs at a time
+        for k in range(0, len(todo), step):
+            if tts.llm.draining:
+                break
+            batch = todo[k : k + step]
+            prompts = [entries[n].prompt for n in batch]
+            params = [p for n in batch if (p := entries[n].params) is not None]
+            outs = tts.generate(prompts, params, use_tqdm=not args.no_progress)
+            for n, res in zip(batch, outs, strict=True):
+                writer.put(n, res, None)
+        out.close()
         if not args.no_progress:
-            print(tts.summary())
-    return 0
+            print(tts.summary(), file=sys.stderr)
+    if signals.exit_code is not None:
+        print(
+            f"tts: interrupted by {signals.name}: {writer.written} of {len(lines)} lines in "
+            f"{args.output}; rerun with --resume to finish",
+            file=sys.stderr,
+        )
+        return signals.exit_code
+    return 1 if writer.failed else 0
+
+
+def _check_entry(tts: TTSEngine, e: Entry, path: str, seed: int) -> None:
+    """The line's prompt rows, checked against the model (a bad voice code, an id outside a
+    channel's vocabulary) into ``e.prompt``; a failure becomes the line's error."""
+    where = f"{path}:{e.line.number}"
+    assert e.params is not None and e.line.row is not None
+    field = next((f for f in (*ROW_FIELDS, *VOICE_FIELDS) if f in e.line.row), "text")
+    try:
+        if isinstance(e.prompt, TTSPrompt):
+            fields = {k: getattr(e.prompt, k) for k in PROMPT_FIELDS}
+            e.prompt = tts.prompt_rows(**fields, voice=e.prompt.voice)
+        d = tts.engine.derived
+        sampling = e.params.sampling()
+        row_prompt(where, e.prompt, sampling, list(d.channel_vocab_sizes), d.max_context, d.end_id)
+    except ValueError as err:
+        message = re.sub(r"^request '[^']*': ", "", str(err))
+        named = message.startswith((f"{field}:", f"{field} "))  # voice_rows names its field
+        e.line.error = f"{where}: {message}" if named else f"{where}: {field}: {message}"
+        return
+    if e.params.seed is None:  # the line's own seed: the same however the lines are batched
+        key = row_key(e.line.row, e.line.number)
+        e.params = dataclasses.replace(e.params, seed=row_seed(seed, key))
