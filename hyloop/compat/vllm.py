@@ -131,6 +131,13 @@ def install() -> bool:
     return True
 
 
+def uninstall() -> None:
+    """Removes the alias and the ``vllm`` modules it handed out (the hyloop modules stay)."""
+    sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "hyloop_alias", False)]
+    for name in [n for n in sys.modules if _target(n) is not None]:
+        del sys.modules[name]
+
+
 def run(argv: Sequence[str]) -> Any:
     """Runs ``argv`` (a console script, a ``.py`` file, or ``-m MODULE``) with the alias; the
     program's return value (a console script's exit status)."""

@@ -62,8 +62,8 @@ class HyloopLM(TemplateLM):
         super().__init__()
         overrides = [f"{k}={v}" for k, v in kwargs.items() if "." in k]
         engine_args = {k: v for k, v in kwargs.items() if "." not in k}
-        if device not in (None, "auto"):
-            engine_args["device"] = device
+        if device is not None:  # lm-eval's default names cuda:0 whatever the machine has
+            log.info("device=%r ignored: hyloop's config places the model (device=auto)", device)
         self.llm = LLM(
             str(pretrained),
             config=config,
