@@ -16,6 +16,14 @@ RESUME = (
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # before a job's own handlers were in place
+        print("hyloop: interrupted by SIGINT; no row ran", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     from hyloop.recipes.job import Interrupted
 
     parser = argparse.ArgumentParser(prog="hyloop", description="hyloop decode-loop framework")
@@ -116,9 +124,6 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as e:  # before any row ran: nothing to write
         print(f"hyloop: {e}; no row ran", file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:  # before a job's own handlers were in place
-        print("hyloop: interrupted by SIGINT; no row ran", file=sys.stderr)
-        return 130
     except (ValueError, FileNotFoundError) as e:
         print(f"hyloop: error: {e}", file=sys.stderr)
         return 2

@@ -7,10 +7,11 @@ continued, with ``--resume``, never appended to or replaced otherwise. The file 
 reopened) once the model has loaded (``open``), so a command that fails early leaves no output
 and an existing one untouched.
 
-Resuming reads the lines already written. A last line cut short by a kill (no newline, or not
-JSON) is dropped and its row runs again; every complete line must belong to the same input line
+Resuming reads the lines already written. A last line cut short by a kill (no newline) is
+dropped and its row runs again; every complete line must belong to the same input line
 (``same_row``); and the job's fingerprint (the input's bytes, the config) must equal the one the
-first run recorded under ``$HYLOOP_CACHE_DIR/jobs/`` (nothing is kept beside the output).
+first run recorded under ``$HYLOOP_CACHE_DIR/jobs/`` (nothing is kept beside the output). A job
+that wrote its last line drops its record: resuming a finished output runs nothing.
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ class JobOutput:
         self.path, self.flag = path, flag
         self.done = 0  # input lines whose output line is already on disk
         self.keep_bytes = 0  # the output's whole lines, to keep on resume
+        self.complete = False  # resuming an output that already holds every line
+        self.rows = 0
         self._fd: int | None = None
         self._print = path == "-"
 
@@ -78,6 +81,7 @@ class JobOutput:
         """Check the paths and, with ``resume``, the lines already written; returns how many
         input lines are done (0 for a new job)."""
         check_paths(input_path, self.path, self.flag)
+        self.rows = rows
         if self.path in (None, "-"):
             if resume:
                 raise ValueError(f"--resume needs an output file ({self.flag} {self.path})")
@@ -110,6 +114,7 @@ class JobOutput:
                     "this input; give the input it was written from, or remove it"
                 )
         self.done, self.keep_bytes = len(lines), len(whole)
+        self.complete = self.done == rows and len(whole) == len(data)
         return self.done
 
     def open(self, fingerprint: str) -> None:
@@ -117,7 +122,7 @@ class JobOutput:
         if self.path in (None, "-"):
             return
         state = self.state_file
-        if self.done or self.keep_bytes:
+        if (self.done or self.keep_bytes) and not self.complete:  # a finished job keeps none
             recorded = _read_state(state)
             if recorded is None:
                 raise ValueError(
@@ -153,10 +158,18 @@ class JobOutput:
         """Nothing to flush: ``write`` leaves no buffer behind."""
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.fsync(self._fd)
-            os.close(self._fd)
-            self._fd = None
+        """Close the file; once it holds a line per input line, the resume record goes."""
+        if self._fd is None:
+            return
+        os.fsync(self._fd)
+        size = os.fstat(self._fd).st_size
+        os.close(self._fd)
+        self._fd = None
+        assert self.path is not None
+        with open(self.path, "rb") as fh:
+            lines = sum(chunk.count(b"\n") for chunk in iter(lambda: fh.read(1 << 20), b""))
+        if lines == self.rows and size:
+            self.state_file.unlink(missing_ok=True)
 
 
 def _read_state(path: Path) -> str | None:

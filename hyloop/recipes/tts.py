@@ -158,6 +158,7 @@ def run_tts(args: argparse.Namespace) -> int:
     if not args.input or not args.output:
         raise ValueError("--input and --output are required (JSONL in, JSONL out)")
     data, entries = load_requests(args.input)
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)  # the frames' folder too
     check_model(args.model)
     codec = load_codec(getattr(args, "codec", None))
     config = EngineArgs(model=args.model, config=args.config or None, overrides=args.overrides)
