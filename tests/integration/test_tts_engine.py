@@ -299,7 +299,13 @@ def test_cli_tts_writes_frames_beside_the_jsonl(
         assert frames.tolist() == r.rows.tolist() and g["finish_reason"] == r.finish_reason
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"rows": [[1, 2, 3, 4]], "max_frames": 3, "temp": 1}) + "\n")
-    assert main(["tts", "--model", str(ckpt), "--input", str(bad), "--output", str(out)]) == 2
+    argv = ["tts", "--model", str(ckpt), "--input", str(bad), "--output", str(out)]
+    assert main(argv) == 2  # the output exists, and no --resume: untouched
+    assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == ["a", "b"]
+    argv[-1] = str(tmp_path / "bad_out.jsonl")
+    assert main(argv) == 1  # the bad line fails alone, with its record
+    (rec,) = [json.loads(x) for x in (tmp_path / "bad_out.jsonl").read_text().splitlines()]
+    assert rec["error"].startswith(f"{bad}:1: unknown field(s) ['temp']")
 
 
 class RunningSumCodec:
