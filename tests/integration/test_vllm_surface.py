@@ -110,6 +110,9 @@ def test_python_m_runs_a_program_with_the_alias(tmp_path: Path) -> None:
     done = _python("", "-m", "hyloop.compat.vllm", str(script), "--flag", "x")
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["hyloop.framework.llm", alias.VLLM_VERSION, "['--flag',", "'x']"]
+    as_module = _python("", "-m", "hyloop.compat.vllm", "-m", "client", "y", path=tmp_path)
+    assert as_module.returncode == 0, as_module.stderr
+    assert as_module.stdout.split()[-1] == "['y']"
     missing = _python("", "-m", "hyloop.compat.vllm", "no-such-program")
     assert missing.returncode == 2 and "no-such-program" in missing.stderr
 
