@@ -204,7 +204,9 @@ def timed(cmd: list[str], env: dict[str, str], dst: Path) -> tuple[float, float]
 def kill_points(
     rng: random.Random, n: int, first: float, seconds: float
 ) -> list[tuple[int, float]]:
-    """``n`` kills, the signals in turn, each at a random point between a little before the first
-    line was written and the end of a clean run."""
+    """``n`` kills, the signals in turn, each at a random point from a little before a clean
+    run's first line: within ``2 / n`` of its generating time after it, so that each start gets
+    about ``1 / n`` of the job done and the kills spread over the whole job."""
     lo = 0.8 * first
-    return [(SIGNALS[k % 3], rng.uniform(lo, max(seconds, lo + 0.5))) for k in range(n)]
+    hi = max(first + 2 * (seconds - first) / max(n, 1), lo + 0.3)
+    return [(SIGNALS[k % 3], rng.uniform(lo, hi)) for k in range(n)]
