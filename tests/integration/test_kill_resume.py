@@ -13,9 +13,11 @@ import importlib.util
 import json
 import random
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from kill_resume import (
     command,
@@ -128,3 +130,39 @@ def test_ray_driver_killed_and_resumed(tmp_path: Path, model: Path) -> None:
     attempts = kill_and_resume(cmd, dst, env, kills)
     assert [p for a in attempts for p in a.problems] == []
     assert compare(clean, read_output(dst), dst) == []
+
+
+def test_tts_killed_and_resumed(moss_local_ckpts: dict[str, Path], tmp_path: Path) -> None:
+    rng = random.Random(0)
+    rows = [
+        {"id": f"t{i}", "rows": [[rng.randrange(3, 240), 16, 16, 16], [250, 1, 2, 3]]}
+        for i in range(12)
+    ]
+    (tmp_path / "in").mkdir()
+    src = tmp_path / "in" / "tts.jsonl"
+    params = {"max_frames": 24, "ignore_stop": True}
+    src.write_text("".join(json.dumps({**r, **params}) + "\n" for r in rows))
+    env = job_env(tmp_path / "cache")
+    model = moss_local_ckpts["nvq3_v16_l1"]
+
+    def cmd(dst: Path) -> list[str]:  # one line a batch: lines land one by one
+        args = ["tts", "--model", str(model), "--input", str(src), "--output", str(dst)]
+        opts = ["graphs.backend=eager", "scheduler.max_running_requests=1"]
+        return [sys.executable, "-m", "hyloop.cli", *args, "--no-progress", "--resume", *opts]
+
+    clean_dst = tmp_path / "clean" / "out.jsonl"
+    clean_dst.parent.mkdir()
+    seconds, first = timed(cmd(clean_dst), env, clean_dst)
+    dst = _resumed(tmp_path)
+    kills = kill_points(random.Random("tts-kills"), 3, first, seconds)
+    attempts = kill_and_resume(cmd(dst), dst, env, kills)
+    assert [p for a in attempts for p in a.problems] == []
+    clean, got = read_output(clean_dst), read_output(dst)
+    assert [r["id"] for r in got] == [r["id"] for r in rows]
+    for a, b in zip(clean, got, strict=True):
+        frames_a = np.load(clean_dst.parent / a.pop("frames"))
+        frames_b = np.load(dst.parent / b.pop("frames"))
+        assert a == b and frames_a.tolist() == frames_b.tolist()
+    # Beside the output: its frame files only, one per line.
+    names = ["out.jsonl", *(f"out.{i}.npy" for i in range(len(rows)))]
+    assert sorted(p.name for p in dst.parent.iterdir()) == sorted(names)
