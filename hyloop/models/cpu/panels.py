@@ -80,7 +80,7 @@ def gate_up_split(name: str, out_features: int) -> int:
 
 def drop_buffers(module: nn.Module, names: tuple[str, ...]) -> int:
     """Free ``module``'s buffers ``names`` (each reads as None afterwards: a weight copy its chosen
-    kernels no longer need, ``release_unused``); returns the bytes freed."""
+    kernels no longer need: the reference codes once panels exist); returns the bytes freed."""
     freed = 0
     for name in names:
         buf = module._buffers[name]

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 
 from hyloop.graphs.step_batch import StepBatch
 
@@ -67,6 +68,30 @@ class TorchPath:
         keys, values = self.gather(batch, k_buf, v_buf, meta.slots)
         shape = (b, length, layer.num_kv_heads, layer.head_dim)
         return keys.view(shape), values.view(shape), length
+
+    def prefill(
+        self,
+        layer: PagedAttention,
+        q: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        meta: AttentionMeta,
+        batch: StepBatch,
+    ) -> torch.Tensor:
+        """``q [B,T,Hq,D]`` over the rows ``meta`` selects, causally -> ``[B,T,Hq*D]``."""
+        b, t = q.shape[:2]
+        keys, values = self.gather(batch, k_buf, v_buf, meta.slots)
+        length = meta.slots.numel() // b
+        shape = (b, length, layer.num_kv_heads, layer.head_dim)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            keys.view(shape).transpose(1, 2),
+            values.view(shape).transpose(1, 2),
+            attn_mask=meta.mask,
+            scale=layer.scale,
+            enable_gqa=layer.num_heads != layer.num_kv_heads,
+        )
+        return out.transpose(1, 2).reshape(b, t, layer.num_heads * layer.head_dim)
 
     def decode(
         self,
@@ -149,6 +174,32 @@ class NativePath(TorchPath):
     @staticmethod
     def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.ops.hyloop.topk_rows(x, k)
+
+    def prefill(
+        self,
+        layer: PagedAttention,
+        q: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        meta: AttentionMeta,
+        batch: StepBatch,
+    ) -> torch.Tensor:
+        """Every query position as a row of the decode kernel, over its visible columns only:
+        a position's result is the one a decode step would compute for it, whatever the
+        padding of the batch it shares (SDPA's blocking follows the padded lengths)."""
+        b, t, _, d = q.shape
+        length = meta.slots.numel() // b
+        key = ("prefill rows", id(meta))
+        rows = batch.meta.get(key)
+        if rows is None:
+            slots = meta.slots.view(b, 1, length).expand(b, t, length).reshape(b * t, length)
+            zero = torch.zeros((), dtype=F32, device=q.device)
+            bias = torch.where(meta.mask.view(b * t, length), zero, float("-inf"))
+            rows = batch.meta[key] = (slots.contiguous(), bias)
+        out = torch.ops.hyloop.decode_attention(
+            q.reshape(b * t, layer.num_heads, d), k_buf, v_buf, rows[0], rows[1], layer.scale
+        )
+        return out.view(b, t, layer.num_heads * d)
 
     def decode(
         self,

@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hyloop.graphs.ops import write_kv
@@ -69,18 +68,7 @@ class PagedAttention(nn.Module):
         compute = batch.pools.compute
         if t == 1:
             return compute.decode(self, q, k_buf, v_buf, meta, batch)
-        keys, values = compute.gather(batch, k_buf, v_buf, meta.slots)
-        length = meta.slots.numel() // b
-        shape = (b, length, self.num_kv_heads, self.head_dim)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            keys.view(shape).transpose(1, 2),
-            values.view(shape).transpose(1, 2),
-            attn_mask=meta.mask,
-            scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
-        return out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
+        return compute.prefill(self, q, k_buf, v_buf, meta, batch)
 
 
 def attention_meta(batch: StepBatch, window: int | None, in_swa_pool: bool) -> AttentionMeta:
