@@ -1,11 +1,8 @@
-"""Measured GEMM kernel choice: the faster candidate wins, the choice is kept per machine and
-read back, and every kernel a Linear can be given computes the same product."""
+"""The CPU GEMM rule: one kernel per dtype, ISA and ``model.cpu_kernels``, the same at every row
+count (never a timing), each kernel computing the Linear, and a row's bits independent of the
+rows beside it. ``HYLOOP_CPU_ISA`` masks the CPU's flags, so CPUs without AVX-512 are covered."""
 
 from __future__ import annotations
-
-import json
-import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,108 +10,91 @@ import torch.nn.functional as F
 from conftest import BF16_PACKED
 from torch import nn
 
-from hyloop.models.cpu.kernel_choice import (
-    KernelTable,
-    calibrate,
-    fastest,
-    machine_key,
-    shape_key,
-    time_candidates,
-)
-from hyloop.models.cpu.packed_linear import PackedLinear, packing_available
+from hyloop.models.cpu import CpuKernels, cpu_ops
+from hyloop.models.cpu.kernel_choice import cpu_isa, dense_kernel
+from hyloop.models.cpu.packed_linear import PackedLinear, pack_linears, packing_available
 
 pytestmark = pytest.mark.skipif(
     not packing_available(torch.device("cpu")), reason="oneDNN is not available in this build"
 )
+native = pytest.mark.skipif(
+    not cpu_ops.ensure_loaded(), reason="no C++ compiler: hyloop's CPU kernels cannot be built"
+)
 
 
-def test_the_faster_of_two_candidates_is_chosen() -> None:
-    def slow() -> None:
-        time.sleep(0.002)
+@pytest.mark.parametrize("isa", ["AVX512", "AVX2", "DEFAULT"])
+def test_the_rule_follows_the_isa_and_the_mode(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HYLOOP_CPU_ISA", isa)
+    assert cpu_isa() == isa
+    for dtype in (torch.float32, torch.bfloat16):
+        oneDNN = "packed" if packing_available(torch.device("cpu"), dtype) else "linear"
+        want = "tiled" if isa == "AVX512" else oneDNN
+        assert dense_kernel(dtype, native=True) == want
+        assert dense_kernel(dtype, native=False) == oneDNN  # no kernels loaded: oneDNN
+        assert dense_kernel(dtype, native=True, mode="packed") == oneDNN
 
-    def quick() -> None:
-        pass
 
-    for order in ({"slow": slow, "quick": quick}, {"quick": quick, "slow": slow}):
-        timings = time_candidates(order, budget_s=0.02)
-        assert timings["slow"] >= 2000 > timings["quick"]
-        assert fastest(timings) == "quick"
-
-
-def layers(dtype: torch.dtype = torch.float32) -> list[PackedLinear]:
+def _model(dtype: torch.dtype = torch.float32) -> nn.Module:
     torch.manual_seed(0)
-    return [PackedLinear(nn.Linear(256, 384).to(dtype)) for _ in range(2)]
+    return nn.Sequential(nn.Linear(256, 384), nn.Linear(384, 256)).to(dtype)
 
 
-def test_choices_are_kept_per_machine_and_read_back(tmp_path: Path) -> None:
-    first = layers()
-    table = calibrate(first, [1, 4], with_gemv=False, table=KernelTable.load(tmp_path))
-    assert table.measured == 2  # one shape (two layers share it) x two row counts
-    path = tmp_path / "kernels" / f"{machine_key()}.json"
-    saved = json.loads(path.read_text())
-    assert saved["machine"] == machine_key()
-    us = saved["entries"][shape_key(first[0].weight)]["4"]
-    assert set(us) == {"linear", "packed"} and all(v > 0 for v in us.values())
-    assert dict(first[0].kernels)[4] == min(us, key=us.get)
-    assert first[0].kernels == first[1].kernels
-
-    again = layers()
-    table = calibrate(again, [1, 4], with_gemv=False, table=KernelTable.load(tmp_path))
-    assert table.measured == 0  # nothing to time on the second run
-    assert again[0].kernels == first[0].kernels
-
-
-def test_a_corrupt_table_is_measured_again(tmp_path: Path) -> None:
-    path = tmp_path / "kernels" / f"{machine_key()}.json"
-    path.parent.mkdir(parents=True)
-    path.write_text('{"machine": "' + machine_key() + '", "entries": {"float32 384x256": 7}}')
-    table = calibrate(layers(), [2], with_gemv=False, table=KernelTable.load(tmp_path))
-    assert table.measured == 1
-
-
-def test_gemv_is_a_candidate_for_one_row_of_a_compiled_step(tmp_path: Path) -> None:
-    table = calibrate(layers(), [1, 2], with_gemv=True, table=KernelTable.load(tmp_path))
-    by_rows = table.entries["float32 384x256"]
-    assert set(by_rows[1]) == {"linear", "packed", "gemv"}
-    assert set(by_rows[2]) == {"linear", "packed"}
-    # An eager engine on the same machine reads the same timings without the GEMV.
-    eager = table.choices("float32 384x256", ("linear", "packed"))
-    assert eager[1] in ("linear", "packed")
-
-
-def test_a_row_count_takes_the_next_measured_choice_above() -> None:
-    layer = layers()[0]
-    layer.set_kernels({1: "gemv", 4: "linear", 16: "packed"})
-    assert [layer.kernel(r, compiled=True) for r in (1, 2, 4, 5, 16, 64)] == [
-        "gemv", "linear", "linear", "packed", "packed", "packed",
-    ]  # fmt: skip
+@native
+@pytest.mark.parametrize("isa", ["AVX512", "AVX2"])
+def test_an_engines_kernels_follow_the_masked_flags(
+    isa: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same model, the CPU seen with or without AVX-512: panels and a stack only with it."""
+    monkeypatch.setenv("HYLOOP_CPU_ISA", isa)
+    model = _model()
+    cpu = CpuKernels(model, pack=True, kernels="auto", native=True, stack="auto")
+    kernels = {m.kernel for m in cpu.layers}
+    assert kernels == ({"tiled"} if isa == "AVX512" else {"packed"})
+    assert all((m.panels is not None) == (isa == "AVX512") for m in cpu.layers)
+    assert cpu.summary()["isa"] == isa and "choices" in cpu.summary()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16_PACKED])
-@pytest.mark.parametrize("kernel", ["linear", "packed", "gemv"])
+@pytest.mark.parametrize("kernel", ["linear", "packed", "tiled"])
 def test_every_kernel_computes_the_linear(kernel: str, dtype: torch.dtype) -> None:
-    layer = layers(dtype)[0]
-    layer.set_kernels({64: kernel})
+    if kernel == "tiled" and not cpu_ops.ensure_loaded():
+        pytest.skip("no C++ compiler: hyloop's panels cannot be built")
+    torch._dynamo.reset()  # a freed layer's id may be reused: no graph of another one applies
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 384).to(dtype)
+    layer = PackedLinear(linear, kernel)
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     for shape in [(1, 256), (3, 256), (2, 5, 256)]:
         x = torch.randn(shape, dtype=dtype)
         ref = F.linear(x.float(), layer.weight.float(), layer.bias.float())
         with torch.inference_mode():
-            torch.testing.assert_close(layer(x).float(), ref, atol=tol, rtol=tol)
-            if shape[0] == 1:
-                step = torch.compile(lambda t: layer(t) * 1, fullgraph=True, dynamic=False)
-                torch.testing.assert_close(step(x).float(), ref, atol=tol, rtol=tol)
+            eager = layer(x)
+            torch.testing.assert_close(eager.float(), ref, atol=tol, rtol=tol)
+            step = torch.compile(lambda t: layer(t) * 1, fullgraph=True, dynamic=False)
+            assert torch.equal(step(x), eager)  # the compiled form calls the same kernel
 
 
-def test_the_table_lives_where_its_variable_says(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("HYLOOP_KERNEL_TABLE_DIR", str(tmp_path / "elsewhere"))
-    table = KernelTable.load()
-    assert table.path == tmp_path / "elsewhere" / f"{machine_key()}.json"
-    table.entries["float32 8x8"] = {1: {"tiled": 1.0}}
-    table.save()
-    assert KernelTable.load().entries == table.entries
-    monkeypatch.delenv("HYLOOP_KERNEL_TABLE_DIR")
-    monkeypatch.setenv("HYLOOP_CACHE_DIR", str(tmp_path / "cache"))
-    assert KernelTable.load().path == tmp_path / "cache" / "kernels" / f"{machine_key()}.json"
+@native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(dtype: torch.dtype) -> None:
+    """The panels at every row count a step or a prefill chunk runs: row 0 alone is row 0 of
+    every batch (one chain per output whatever the tile shape)."""
+    torch.manual_seed(1)
+    layer = PackedLinear(nn.Linear(576, 1536).to(dtype), "tiled")
+    x = torch.randn(600, 576).to(dtype)
+    with torch.inference_mode():
+        alone = layer(x[:1])
+        for rows in (2, 3, 8, 9, 16, 17, 32, 33, 64, 600):
+            assert torch.equal(layer(x[:rows])[:1], alone), rows
+
+
+@native
+def test_packing_puts_small_linears_on_the_panels_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decoder stack reads every projection's panels, so none may stay on another kernel."""
+    monkeypatch.setenv("HYLOOP_CPU_ISA", "AVX512")
+    small = nn.Sequential(nn.Linear(64, 64))
+    assert pack_linears(small, lambda dtype: dense_kernel(dtype, native=True)) == 1
+    assert isinstance(small[0], PackedLinear) and small[0].kernel == "tiled"
+    monkeypatch.setenv("HYLOOP_CPU_ISA", "AVX2")
+    small = nn.Sequential(nn.Linear(64, 64))
+    assert pack_linears(small, lambda dtype: dense_kernel(dtype, native=True)) == 0

@@ -27,14 +27,10 @@ from hyloop.models.quant import (
     Int8Linear,
     int4_from_dense,
     int8_from_dense,
-    kernels_available,
     quantize_linears,
 )
 
 CPU = torch.device("cpu")
-pytestmark = pytest.mark.skipif(
-    not kernels_available(CPU), reason="no vectorised weight-only kernels on this CPU"
-)
 
 
 def _k_quant_blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -116,8 +112,8 @@ def test_packed_matmul_matches_the_dequantized_weight(fmt: str, rows: int) -> No
     x = torch.randn(2, rows, 256)
     got = layer(x)
     assert got.shape == (2, rows, 128) and got.dtype == torch.float32
-    # The kernels take bfloat16 activations and return bfloat16: tolerances of that rounding.
-    ref = F.linear(x.bfloat16().float(), dense, bias)
+    # Activations are rounded to int8 per group of 32: tolerances of that rounding.
+    ref = F.linear(x, dense, bias)
     torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
 
 
@@ -215,7 +211,7 @@ def test_bad_weights_modes_are_named() -> None:
 
 def test_auto_int4_layers_compute_with_the_files_values(tiny_files: dict[str, Path]) -> None:
     """Each int4 layer of ``auto`` multiplies by exactly the weight ``dequantize`` holds (the
-    file's codes), up to the kernel's bfloat16 activations."""
+    file's codes), up to the 8-bit activations' rounding."""
     auto = load_model(tiny_files["quantized"], torch.float32, CPU, "auto").model
     dense = dict(
         load_model(tiny_files["quantized"], torch.float32, CPU, "dequantize").model.named_modules()
@@ -224,8 +220,8 @@ def test_auto_int4_layers_compute_with_the_files_values(tiny_files: dict[str, Pa
     for name, layer in auto.named_modules():
         if isinstance(layer, Int4Linear):
             x = torch.randn(3, layer.in_features)
-            ref = F.linear(x.bfloat16().float(), dense[name].weight).detach()
-            torch.testing.assert_close(layer(x), ref, rtol=2e-2, atol=1e-2 * float(ref.abs().max()))
+            ref = F.linear(x, dense[name].weight).detach()
+            torch.testing.assert_close(layer(x), ref, rtol=2e-2, atol=3e-2 * float(ref.abs().max()))
             checked += 1
     assert checked == 6
 
