@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,19 +20,6 @@ def pytest_configure(config: pytest.Config) -> None:
     # every engine of the session takes the same path (``model.cpu_ops=auto`` would otherwise
     # leave a fresh machine's whole session on torch ops while a background build runs).
     cpu_ops.ensure_loaded(build=True)
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _kernel_timings_stay_in_the_session(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[None]:
-    """Kernel timings taken here (test workers share the cores) go to a table of this session,
-    never to the machine's under ``$HYLOOP_CACHE_DIR/kernels``: a later job there would choose its
-    kernels from timings measured under contention. The variable reaches the processes tests
-    start (the CLI's); a test that names a table root keeps it."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HYLOOP_KERNEL_TABLE_DIR", str(tmp_path_factory.mktemp("kernel_table")))
-        yield
 
 
 def make_batch(

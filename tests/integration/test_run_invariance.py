@@ -1,0 +1,97 @@
+"""Same tokens on every run: the shipped SmolLM2 GGUF under the default config computes the same
+greedy tokens batched and alone, eager and compiled, and in a first run on a machine (a fresh
+``HYLOOP_CACHE_DIR``: hyloop's CPU kernels are built when the model loads) as in a warm one;
+its run summary and stats name the numerics. (``bench/run_invariance.py`` runs the wider matrix:
+busy machine, no compiler, bf16.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hyloop import LLM, SamplingParams
+from hyloop.models.cpu import cpu_ops
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not cpu_ops.ensure_loaded(), reason="no C++ compiler: hyloop's CPU kernels cannot be built"
+    ),
+]
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Write a haiku about the sea.",
+    "List three prime numbers:",
+    "Once upon a time, in a small village,",
+    "SELECT name FROM users WHERE",
+]
+TOKENS = 32
+PARAMS = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
+
+CHILD = r"""
+import json, sys
+from hyloop import LLM, SamplingParams
+with LLM(model=sys.argv[1], overrides=["graphs.backend=eager"]) as llm:
+    params = SamplingParams(temperature=0, max_tokens=int(sys.argv[3]), ignore_eos=True)
+    outs = llm.generate(json.loads(sys.argv[2]), params, use_tqdm=False)
+    print(json.dumps([o.outputs[0].token_ids for o in outs]))
+"""
+
+
+def _tokens(llm: LLM, prompts: list[str]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def eager(gguf_path: Path) -> tuple[list[list[int]], list[list[int]], str, str]:
+    with LLM(model=gguf_path, overrides=["graphs.backend=eager"]) as llm:
+        batched = _tokens(llm, PROMPTS)
+        alone = [_tokens(llm, [p])[0] for p in PROMPTS]
+        return batched, alone, llm.stats()["numerics"], llm.summary()
+
+
+def test_a_prompt_alone_gets_the_batchs_tokens(eager: tuple) -> None:
+    batched, alone, _, _ = eager
+    assert all(len(t) == TOKENS for t in batched)
+    assert alone == batched
+
+
+def test_the_numerics_are_named(eager: tuple) -> None:
+    _, _, numerics, summary = eager
+    assert "int4 x120 + int8 x1: int8 activations per group of 32" in numerics
+    assert "hyloop panels" in numerics
+    assert f"numerics       weights=auto float32: {numerics}" in summary
+    assert "never timed" in summary
+
+
+def test_compiled_steps_get_the_eager_tokens(gguf_path: Path, eager: tuple) -> None:
+    overrides = ["graphs.backend=compile", "graphs.buckets=[8]"]
+    with LLM(model=gguf_path, overrides=overrides) as llm:
+        assert _tokens(llm, PROMPTS) == eager[0]
+        assert llm.stats()["graph_replays"] > 0
+
+
+def test_a_first_run_on_a_machine_gets_a_warm_runs_tokens(
+    gguf_path: Path, eager: tuple, tmp_path: Path
+) -> None:
+    """A fresh cache directory: the kernels are built at load (a line says so), then the job
+    computes what the warm process above computed."""
+    env = {**os.environ, "HYLOOP_CACHE_DIR": str(tmp_path / "fresh")}
+    env.pop("HYLOOP_CPU_OPS", None)
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, str(gguf_path), json.dumps(PROMPTS), str(TOKENS)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=True,
+    )
+    assert "building the CPU kernels" in done.stderr and "CPU kernels built in" in done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == eager[0]
