@@ -2,10 +2,9 @@
 
 ``Engine`` holds what assembly built and drives one of two loops over the step pipeline
 (``loops.SyncLoop`` or ``loops.OverlapLoop``). Going from idle to busy it tells the graphs a job
-starts (``auto`` plans its captures then), and when it runs dry that the job is done.
-
-Threads: ``add_request`` and ``abort_request`` may be called from any thread; one made while
-``step()`` runs is applied at the step's end, as if made between the two steps.
+starts (``auto`` plans its captures then), and when it runs dry that the job is done. Threads:
+``add_request`` and ``abort_request`` may be called from any thread; one made while ``step()``
+runs is applied at the step's end, as if made between the two steps.
 """
 
 from __future__ import annotations
@@ -92,7 +91,7 @@ class Engine(EngineConfigs):
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> Engine:
         """vLLM's ``LLMEngine.from_engine_args``: the engine the arguments configure."""
-        from hyloop.framework.assembly import build_engine
+        from hyloop.framework.assembly import build_engine  # assembly imports this module
 
         return build_engine(args.create_engine_config())
 
@@ -172,8 +171,7 @@ class Engine(EngineConfigs):
                 self.scheduler.abort(request_id)
 
     def default_params(self) -> SamplingParams:
-        """vLLM's ``SamplingParams()``, under the model's ``generation_config.json`` (as
-        vLLM applies it), under the config's ``sampling_defaults``."""
+        """vLLM's ``SamplingParams()``, under generation_config.json and ``sampling_defaults``."""
         return SamplingParams(**self.derived.sampling_defaults)
 
     def validate_prompt(
@@ -288,9 +286,8 @@ class Engine(EngineConfigs):
         return self._overlap
 
     def set_lookahead(self, enable: bool) -> None:
-        """Switch lookahead on or off between steps; nothing may be launched or planned.
-
-        One engine can then time both loops on the same weights, pools and artifacts."""
+        """Switch lookahead on or off between steps (nothing may be launched or planned), so
+        one engine can time both loops on the same weights, pools and artifacts."""
         if not isinstance(enable, bool):
             raise TypeError(f"set_lookahead: enable must be a bool, got {enable!r}")
         if self._closed:
@@ -327,4 +324,7 @@ class Engine(EngineConfigs):
         check_engine(self.pipeline, self.scheduler)
 
     def stats(self) -> dict[str, Any]:
-        return engine_stats(self, overlap=self._overlap is not None)
+        d = engine_stats(self.recorder, self.scheduler, self.graphs, self._overlap is not None)
+        d.update(requests_finished=self.finished, requests_aborted=self.aborted)
+        d.update(requests_failed=self.failed, lookahead=self.lookahead_enabled)
+        return {**d, "weight_bytes": self.derived.weight_bytes}
