@@ -128,10 +128,16 @@ class JobSignals:
             raise Interrupted(signum)
         self._drain()  # sets a flag only: nothing here may take a lock
 
-    def __enter__(self) -> JobSignals:
+    def install(self) -> None:
+        """Take the signals (again: a library that installed its own handlers since, as Ray's
+        core worker does for SIGTERM, gives them back)."""
         if threading.current_thread() is threading.main_thread():
             for sig in self.SIGNALS:
-                self._saved[sig] = signal.signal(sig, self._handle)
+                old = signal.signal(sig, self._handle)
+                self._saved.setdefault(sig, old)
+
+    def __enter__(self) -> JobSignals:
+        self.install()
         return self
 
     def __exit__(

@@ -40,6 +40,7 @@ def run_generate_ray(args: argparse.Namespace) -> int:
     with JobSignals() as signals, RecordWriter(out, lines, done) as sink:
         if good:
             init_ray(opts.address)
+            signals.install()  # Ray's core worker takes SIGTERM (and aborts on it)
             ray.data.DataContext.get_current().enable_progress_bars = not args.no_progress
         out.open(fingerprint(data, {"generate": engine_cfg.model_dump(), "ray": opts.model_dump()}))
         signals.start(stop.set)
