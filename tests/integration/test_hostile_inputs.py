@@ -107,6 +107,17 @@ def test_seeds_of_any_size_sample_differently(model: Path) -> None:
     assert tuple(again[0].outputs[0].token_ids) == tokens[2]
 
 
+def test_infinite_temperature_samples_uniformly_among_the_kept_tokens(model: Path) -> None:
+    allowed = [5, 6, 7, 8]
+    params = SamplingParams(temperature=float("inf"), seed=1, max_tokens=120, ignore_eos=True)
+    params.allowed_token_ids = allowed
+    with LLM(model=model, overrides=EAGER) as llm:
+        (out,) = llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    ids = out.outputs[0].token_ids
+    assert len(ids) == 120 and set(ids) <= set(allowed)  # masked tokens stay out
+    assert min(ids.count(t) for t in allowed) >= 15  # each about a quarter (120 / 4 = 30)
+
+
 def test_the_output_is_checked_before_anything_is_written(
     tmp_path: Path, model: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
