@@ -11,15 +11,17 @@ and the rule below only says which implementation of it runs here:
 - a dense float32 / bfloat16 Linear (``model.cpu_kernels=auto``): hyloop's panel GEMM
   (``panels.h``: every output one sequential chain of fused multiply-adds over K, whatever the
   row count) where the CPU kernels are loaded and the CPU has AVX-512 (the ISA they are
-  vectorised for); elsewhere oneDNN's GEMM over a weight packed once (``packed``), or
-  ``F.linear`` where oneDNN cannot pack the dtype (``linear``). ``model.cpu_kernels=packed``
+  vectorised for; bfloat16 weights need its BF16 dot products too); elsewhere oneDNN's GEMM
+  over a weight packed once (``packed``), or ``F.linear`` where oneDNN cannot pack the dtype
+  (``linear``). ``model.cpu_kernels=packed``
   names oneDNN everywhere.
 
 A dense row's bits are the panels' on a machine with the kernels and oneDNN's (torch's GEMM)
 without them; oneDNN's order is its own, so a machine without the kernels computes dense modes
 to a float32 / bfloat16 rounding of the same products, not the same bits (the quantized modes'
-bits are the same everywhere). ``HYLOOP_CPU_ISA`` names the ISA the rule reads
-(``AVX512``, ``AVX2``, ``DEFAULT``), so a test covers a CPU that lacks a flag.
+bits are the same everywhere). ``HYLOOP_CPU_ISA`` names the ISA the rule reads (``AVX512``,
+``AVX2``, ``DEFAULT``) and ``HYLOOP_CPU_FLAGS`` the flags, so a test covers a CPU that lacks
+one.
 """
 
 from __future__ import annotations
@@ -76,9 +78,19 @@ def cpu_isa() -> str:
     return os.environ.get("HYLOOP_CPU_ISA") or torch.backends.cpu.get_cpu_capability()
 
 
-def panels_vectorised() -> bool:
-    """Whether hyloop's panel GEMMs and decoder stack run vectorised here (AVX-512)."""
-    return cpu_isa() == "AVX512"
+def cpu_flags() -> set[str]:
+    """The CPU's flags the rule reads: ``/proc/cpuinfo``'s, or ``$HYLOOP_CPU_FLAGS``."""
+    env = os.environ.get("HYLOOP_CPU_FLAGS")
+    return set((env if env is not None else cpu_description()["flags"]).split())
+
+
+def panels_vectorised(dtype: torch.dtype | None = None) -> bool:
+    """Whether hyloop's panel GEMMs and decoder stack run vectorised here: AVX-512, and for
+    bfloat16 weights its BF16 dot products (``vdpbf16ps``; without them the bf16 tiles are
+    scalar loops and oneDNN's packed GEMM is the rule)."""
+    if cpu_isa() != "AVX512":
+        return False
+    return dtype != torch.bfloat16 or "avx512_bf16" in cpu_flags()
 
 
 def dense_kernel(
@@ -87,6 +99,6 @@ def dense_kernel(
     """The kernel every dense Linear of ``dtype`` runs at every row count (``native``: hyloop's
     CPU kernels are loaded)."""
     dense = dtype in (torch.float32, torch.bfloat16)
-    if mode == "auto" and native and dense and panels_vectorised():
+    if mode == "auto" and native and dense and panels_vectorised(dtype):
         return "tiled"
     return "packed" if packing_available(torch.device("cpu"), dtype) else "linear"

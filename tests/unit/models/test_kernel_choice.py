@@ -34,6 +34,18 @@ def test_the_rule_follows_the_isa_and_the_mode(isa: str, monkeypatch: pytest.Mon
         assert dense_kernel(dtype, native=True, mode="packed") == oneDNN
 
 
+@pytest.mark.parametrize("flags", ["avx512f avx512_bf16", "avx512f"])
+def test_bf16_panels_need_the_cpus_bf16_dot_products(
+    flags: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HYLOOP_CPU_ISA", "AVX512")
+    monkeypatch.setenv("HYLOOP_CPU_FLAGS", flags)
+    oneDNN = "packed" if packing_available(torch.device("cpu"), torch.bfloat16) else "linear"
+    want = "tiled" if "avx512_bf16" in flags else oneDNN
+    assert dense_kernel(torch.bfloat16, native=True) == want
+    assert dense_kernel(torch.float32, native=True) == "tiled"  # fp32 needs AVX-512 alone
+
+
 def _model(dtype: torch.dtype = torch.float32) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(256, 384), nn.Linear(384, 256)).to(dtype)
