@@ -295,7 +295,8 @@ def run_generate(args: argparse.Namespace) -> int:
                 else:
                     sink.put(i, result_fields(res, params, llm.tokenizer is not None))
             sink.partial = signals.signum is not None
-        print("\n" + llm.summary(), file=sys.stderr if args.output else sys.stdout)
+        if signals.signum is None:  # a stopped job says one line, below
+            print("\n" + llm.summary(), file=sys.stderr if args.output else sys.stdout)
     if signals.exit_code is not None:
         print(
             f"generate: interrupted by {signals.name}: {sink.written} of {len(lines)} rows in "

@@ -108,7 +108,7 @@ def run_batch(args: argparse.Namespace) -> int:
         finally:
             out.close()
             bar.close()
-    if summary is not None:
+    if summary is not None and signals.exit_code is None:  # a stopped job says one line
         print("\n" + summary, file=sys.stderr)
     where = "stdout" if args.output_file == "-" else args.output_file
     if signals.exit_code is not None:

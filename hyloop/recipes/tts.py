@@ -190,7 +190,7 @@ def run_tts(args: argparse.Namespace) -> int:
             for n, res in zip(batch, outs, strict=True):
                 writer.put(n, res, None)
         out.close()
-        if not args.no_progress:
+        if not args.no_progress and signals.signum is None:
             print(tts.summary(), file=sys.stderr)
     if signals.exit_code is not None:
         print(
