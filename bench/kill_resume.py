@@ -3,8 +3,9 @@ uninterrupted run?
 
 For each job (``run-batch``, ``generate``, and with ``--ray`` ``generate --ray 2``) on a tiny
 random Llama (eager, CPU): a clean run of ``--rows`` rows, then ``--kills`` starts with
-``--resume``, each ended by SIGKILL, SIGINT or SIGTERM (in turn) at a random point between the
-clean run's first output line and its end, then one start that runs to the end. Checked: the
+``--resume``, each ended by SIGKILL, SIGINT or SIGTERM (in turn) at a random point (one in five
+while the model loads, the rest once the output holds a random number of lines), then one start
+that runs to the end. Checked: the
 resumed output equals the clean one (but for ids, times and cache hits), each row once, no file
 beside it; a handled signal exits 130 / 143 with a summary line and no traceback. The harness is
 ``tests/kill_resume.py`` (the suite's ``test_kill_resume`` runs a smaller version).
@@ -33,7 +34,7 @@ from kill_resume import (  # noqa: E402
     compare,
     job_env,
     kill_and_resume,
-    kill_points,
+    progress_kills,
     read_output,
     timed,
     write_rows,
@@ -52,7 +53,7 @@ def one_job(
     clean_dst.parent.mkdir()
     seconds, first = timed(command(kind, model, src, clean_dst, ray, running), env, clean_dst)
     clean = read_output(clean_dst)
-    points = kill_points(random.Random(f"{seed}-{job}"), kills, first, seconds)
+    points = progress_kills(random.Random(f"{seed}-{job}"), kills, rows, first)
     dst = root / "resumed" / "out.jsonl"
     dst.parent.mkdir()
     t0 = time.perf_counter()

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 SIGNALS = (signal.SIGKILL, signal.SIGINT, signal.SIGTERM)
+Kill = tuple[int, float, int]  # (signal, delay s, output lines to wait for first; 0: none)
 OVERRIDES = ["graphs.backend=eager", "model.max_context=256"]
 
 
@@ -108,8 +109,19 @@ class Attempt:
     problems: list[str] = field(default_factory=list)
 
 
-def run(cmd: list[str], env: dict[str, str], sig: int | None, delay: float) -> tuple[int, str]:
+def run(
+    cmd: list[str],
+    env: dict[str, str],
+    sig: int | None,
+    delay: float,
+    at: tuple[Path, int] | None = None,
+) -> tuple[int, str]:
+    """Run ``cmd``; send ``sig`` ``delay`` s after its start or, with ``at = (output, n)``, once
+    the output holds ``n`` lines (then ``delay`` s later). Returns its exit code and stderr."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    if sig is not None and at is not None:
+        while proc.poll() is None and _lines(at[0]) < at[1]:
+            time.sleep(0.005)
     if sig is not None:
         try:
             proc.wait(timeout=delay)
@@ -117,6 +129,13 @@ def run(cmd: list[str], env: dict[str, str], sig: int | None, delay: float) -> t
             proc.send_signal(sig)
     _, err = proc.communicate(timeout=600)
     return proc.returncode, err.decode(errors="replace")
+
+
+def _lines(path: Path) -> int:
+    try:
+        return path.read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return 0
 
 
 def check_exit(sig: int | None, code: int, err: str) -> list[str]:
@@ -140,16 +159,31 @@ def check_exit(sig: int | None, code: int, err: str) -> list[str]:
 
 
 def kill_and_resume(
-    cmd: list[str], dst: Path, env: dict[str, str], kills: list[tuple[int, float]]
+    cmd: list[str], dst: Path, env: dict[str, str], kills: list[Kill]
 ) -> list[Attempt]:
-    """Start ``cmd`` once per kill (``(signal, delay s)``), then once more to its end."""
+    """Start ``cmd`` once per kill (``Kill``), then once more to its end."""
     attempts = []
-    for sig, delay in [*kills, (None, 0.0)]:
-        code, err = run(cmd, env, sig, delay)
-        lines = len(dst.read_text().splitlines()) if dst.exists() else 0
+    for sig, delay, lines in [*kills, (None, 0.0, 0)]:
+        code, err = run(cmd, env, sig, delay, (dst, lines) if lines else None)
         name = signal.Signals(sig).name if sig is not None else None
-        attempts.append(Attempt(name, delay, code, lines, check_exit(sig, code, err)))
+        attempts.append(Attempt(name, delay, code, _lines(dst), check_exit(sig, code, err)))
     return attempts
+
+
+def progress_kills(rng: random.Random, n: int, rows: int, first: float) -> list[Kill]:
+    """``n`` kills, the signals in turn, at random points of the job whatever its speed: one in
+    five at a random time before a clean run's first line (the model still loading), the rest
+    once the output holds a random number of lines (ascending, so each start gets further),
+    0-0.2 s later."""
+    early = [k for k in range(n) if k % 5 == 2]
+    targets = sorted(rng.sample(range(1, rows), n - len(early)))
+    out: list[Kill] = []
+    for k in range(n):
+        if k in early:
+            out.append((SIGNALS[k % 3], rng.uniform(0.3, max(first, 0.6)), 0))
+        else:
+            out.append((SIGNALS[k % 3], rng.uniform(0.0, 0.2), targets.pop(0)))
+    return out
 
 
 def compare(clean: list[dict[str, Any]], resumed: list[dict[str, Any]], dst: Path) -> list[str]:
@@ -201,12 +235,10 @@ def timed(cmd: list[str], env: dict[str, str], dst: Path) -> tuple[float, float]
     return seconds, first if first is not None else seconds
 
 
-def kill_points(
-    rng: random.Random, n: int, first: float, seconds: float
-) -> list[tuple[int, float]]:
+def kill_points(rng: random.Random, n: int, first: float, seconds: float) -> list[Kill]:
     """``n`` kills, the signals in turn, each at a random point from a little before a clean
     run's first line: within ``2 / n`` of its generating time after it, so that each start gets
     about ``1 / n`` of the job done and the kills spread over the whole job."""
     lo = 0.8 * first
     hi = max(first + 2 * (seconds - first) / max(n, 1), lo + 0.3)
-    return [(SIGNALS[k % 3], rng.uniform(lo, hi)) for k in range(n)]
+    return [(SIGNALS[k % 3], rng.uniform(lo, hi), 0) for k in range(n)]
