@@ -327,4 +327,4 @@ class Engine(EngineConfigs):
         d = engine_stats(self.recorder, self.scheduler, self.graphs, self._overlap is not None)
         d.update(requests_finished=self.finished, requests_aborted=self.aborted)
         d.update(requests_failed=self.failed, lookahead=self.lookahead_enabled)
-        return {**d, "weight_bytes": self.derived.weight_bytes}
+        return {**d, "weight_bytes": self.derived.weight_bytes, "numerics": self.derived.numerics}
