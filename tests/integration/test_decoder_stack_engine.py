@@ -24,7 +24,7 @@ def _tokens(ckpt: Path, *overrides: str) -> list[list[int]]:
         params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         if "model.cpu_stack=true" in overrides:
-            assert "decoder stack  decode rows every in one call" in llm.summary()
+            assert "decoder stack  every decode step in one call" in llm.summary()
         return [list(o.outputs[0].token_ids) for o in outs]
 
 
