@@ -4,8 +4,9 @@ uninterrupted run?
 For each job (``run-batch``, ``generate``, and with ``--ray`` ``generate --ray 2``) on a tiny
 random Llama (eager, CPU): a clean run of ``--rows`` rows, then ``--kills`` starts with
 ``--resume``, each ended by SIGKILL, SIGINT or SIGTERM (in turn) at a random point (one in five
-while the model loads, the rest once the output holds a random number of lines), then one start
-that runs to the end. Checked: the
+while the model loads, the rest once the output holds a random number of lines; for Ray, whose
+driver writes in order what the replicas finish out of order, at a random time of a clean run),
+then one start that runs to the end. Kills stop once the output is whole. Checked: the
 resumed output equals the clean one (but for ids, times and cache hits), each row once, no file
 beside it; a handled signal exits 130 / 143 with a summary line and no traceback. The harness is
 ``tests/kill_resume.py`` (the suite's ``test_kill_resume`` runs a smaller version).
@@ -30,6 +31,7 @@ from common import cpu_name, test_helpers, write_json  # noqa: E402
 
 conftest = test_helpers()  # also puts tests/ on the path, for the harness
 from kill_resume import (  # noqa: E402
+    SIGNALS,
     command,
     compare,
     job_env,
@@ -53,11 +55,16 @@ def one_job(
     clean_dst.parent.mkdir()
     seconds, first = timed(command(kind, model, src, clean_dst, ray, running), env, clean_dst)
     clean = read_output(clean_dst)
-    points = progress_kills(random.Random(f"{seed}-{job}"), kills, rows, first)
+    rng = random.Random(f"{seed}-{job}")
+    if ray:  # the driver writes in order what two replicas finish out of order: kill by time
+        points = [(SIGNALS[k % 3], rng.uniform(0.6 * first, seconds), 0) for k in range(kills)]
+    else:
+        points = progress_kills(rng, kills, rows, first)
     dst = root / "resumed" / "out.jsonl"
     dst.parent.mkdir()
     t0 = time.perf_counter()
-    attempts = kill_and_resume(command(kind, model, src, dst, ray, running), dst, env, points)
+    cmd = command(kind, model, src, dst, ray, running)
+    attempts = kill_and_resume(cmd, dst, env, points, rows)
     problems = [p for a in attempts for p in a.problems] + compare(clean, read_output(dst), dst)
     return {
         "job": "generate --ray 2" if ray else job,

@@ -4,9 +4,11 @@ config's artifacts ahead of its jobs)."""
 
 from __future__ import annotations
 
-import argparse
-import logging
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import argparse
 
 RESUME = (
     "continue the job that wrote --output: its lines are kept (a torn last one is redone) and "
@@ -24,6 +26,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
+    # Imported here, under main's KeyboardInterrupt handler: a Ctrl-C this early ends quietly.
+    import argparse
+    import logging
+
     from hyloop.recipes.job import Interrupted
 
     parser = argparse.ArgumentParser(prog="hyloop", description="hyloop decode-loop framework")

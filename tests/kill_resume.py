@@ -159,11 +159,14 @@ def check_exit(sig: int | None, code: int, err: str) -> list[str]:
 
 
 def kill_and_resume(
-    cmd: list[str], dst: Path, env: dict[str, str], kills: list[Kill]
+    cmd: list[str], dst: Path, env: dict[str, str], kills: list[Kill], rows: int | None = None
 ) -> list[Attempt]:
-    """Start ``cmd`` once per kill (``Kill``), then once more to its end."""
+    """Start ``cmd`` once per kill (``Kill``), then once more to its end; with ``rows``, the
+    kills stop once the output holds them all (a start that has nothing to do is not one)."""
     attempts = []
     for sig, delay, lines in [*kills, (None, 0.0, 0)]:
+        if sig is not None and rows is not None and _lines(dst) >= rows:
+            continue
         code, err = run(cmd, env, sig, delay, (dst, lines) if lines else None)
         name = signal.Signals(sig).name if sig is not None else None
         attempts.append(Attempt(name, delay, code, _lines(dst), check_exit(sig, code, err)))
