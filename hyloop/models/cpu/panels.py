@@ -50,11 +50,11 @@ class Panels:
 
     @classmethod
     def int8(cls, rows: Int8Rows, split: int = 0) -> Panels:
-        """Symmetric int8 codes with one scale per output row (repeated per group)."""
+        """Symmetric int8 codes with a scale per group of 32 (a row's one scale repeated)."""
         n, k = rows.codes.shape
         if k % GROUP:
             raise ValueError(f"int8 panels need whole groups of {GROUP} columns, not {k}")
-        scale = rows.scale.float().view(n, 1).expand(n, k // GROUP).contiguous()
+        scale = rows.group_scales()
         return cls(torch.ops.hyloop.pack_panels_i8(rows.codes, scale, split), I8, n, k, split)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -4,9 +4,9 @@ Q4_0, Q4_1 and Q4_K all store, for every 32 weights along a row, 4-bit codes and
 ``weight = code * scale + min``: Q4_0 ``scale = d, min = -8 d``; Q4_1 ``scale = d, min = m``;
 Q4_K (256-weight super-blocks of eight 32-weight sub-blocks with 6-bit scales and mins)
 ``scale = d * sc_j, min = -dmin * m_j``. ``int4_groups`` returns exactly those codes and maps
-(``Int4Groups``), so an int4 kernel with groups of 32 reads the file's own values. The other block
-types (Q5_*, Q6_K, Q8_0, ...) have no int4 equivalent; they are requantized from their
-dequantized values (``models.quant``).
+(``Int4Groups``), so an int4 kernel with groups of 32 reads the file's own values; Q8_0's int8
+codes and per-32 scales come out as they are (``int8_rows``). The other block types (Q5_*,
+Q6_K, ...) are requantized from their dequantized values (``models.quant``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import Q4_K
 
-from hyloop.models.quant.formats import Int4Groups
+from hyloop.models.quant.formats import Int4Groups, Int8Rows
 
 _Decoded = tuple[np.ndarray, np.ndarray, np.ndarray]  # codes [B, 32 j], scale [B, j], min [B, j]
 
@@ -92,6 +92,28 @@ class GGUFBlocks:
     def is_int4(self) -> bool:
         """Whether ``int4_groups`` converts it without loss."""
         return self.qtype in INT4_DECODERS
+
+    @property
+    def is_int8(self) -> bool:
+        """Whether ``int8_rows`` converts it without loss (Q8_0: 32 int8 codes and an fp16
+        scale per block)."""
+        return self.qtype == GGMLQuantizationType.Q8_0
+
+    def int8_rows(self) -> Int8Rows:
+        """A Q8_0 tensor's own int8 codes and per-32 scales, rows in HF order."""
+        if not self.is_int8:
+            raise ValueError(f"GGUF tensor {self.name!r} is {self.qtype.name}, not Q8_0")
+        blocks = np.ascontiguousarray(self.data).reshape(-1, GGML_QUANT_SIZES[self.qtype][1])
+        n, k = self.shape
+        scale = torch.from_numpy(_f16(blocks[:, :2])).reshape(n, k // 32)
+        codes = torch.from_numpy(blocks[:, 2:].copy().view(np.int8)).reshape(n, k)
+        if self.permute_heads:
+            h = self.permute_heads
+            return Int8Rows(
+                unpermute_rope_rows(codes, h).contiguous(),
+                unpermute_rope_rows(scale, h).contiguous(),
+            )
+        return Int8Rows(codes, scale)
 
     def int4_groups(self) -> Int4Groups:
         """The file's own 4-bit codes and per-32 affine maps, rows in HF order."""

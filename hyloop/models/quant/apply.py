@@ -2,11 +2,12 @@
 
 - ``dequantize``: every weight dense, in the model's dtype (the oracle the others are held to);
 - ``auto``: a GGUF file's quantized Linears stay quantized where a kernel runs them: 4-bit
-  blocks (Q4_0, Q4_1, Q4_K) as int4 with the file's own codes (no loss), every other quantized
-  type (Q5_*, Q6_K, Q8_0, ...) as per-channel int8 requantized from its values (more bits than the
-  file held); dense tensors, HF checkpoints and devices without the kernels stay dense;
+  blocks (Q4_0, Q4_1, Q4_K) as int4 with the file's own codes (no loss), Q8_0 blocks as int8 with
+  the file's own codes and block scales (no loss), every other quantized type (Q5_*, Q6_K, ...)
+  as per-channel int8 requantized from its values (more bits than the file held); dense
+  tensors, HF checkpoints and devices without the kernels stay dense;
 - ``int8`` / ``int4``: every large Linear so, requantized round-to-nearest where the file did not
-  hold that format (an HF checkpoint too).
+  hold that format (an HF checkpoint too; Q8_0 blocks stay as they are under ``int8``).
 
 A fused projection (``qkv_proj``, ``gate_up_proj``) is quantized as one: under ``auto`` it is int4
 only when all its parts were 4-bit in the file. A tied LM head reads the embedding's blocks (the
@@ -28,6 +29,7 @@ from hyloop.models.cpu.panels import gate_up_split
 from hyloop.models.quant.formats import (
     INT4_GROUP,
     Int4Groups,
+    Int8Rows,
     int4_from_dense,
     int8_from_dense,
 )
@@ -94,6 +96,21 @@ def _int4_groups(
     return Int4Groups.cat(pieces)
 
 
+def _int8_rows(
+    linear: nn.Linear, parts: list[tuple[str, int]], sources: list[GGUFBlocks | None]
+) -> Int8Rows:
+    if all(src is None or not src.is_int8 for src in sources):
+        return int8_from_dense(linear.weight)
+    pieces, start = [], 0
+    for (_, rows), src in zip(parts, sources, strict=True):
+        if src is not None and src.is_int8:
+            pieces.append(src.int8_rows())  # the file's own codes and block scales
+        else:
+            pieces.append(int8_from_dense(linear.weight[start : start + rows]))
+        start += rows
+    return Int8Rows.cat(pieces)
+
+
 def quantize_linears(
     model: nn.Module,
     mode: str,
@@ -133,7 +150,7 @@ def quantize_linears(
                     groups = _int4_groups(child, parts, sources)
                     layer: nn.Module = Int4Linear(groups, bias, split)
                 else:
-                    layer = Int8Linear(int8_from_dense(child.weight), bias, split)
+                    layer = Int8Linear(_int8_rows(child, parts, sources), bias, split)
                 setattr(parent, leaf, layer)
                 counts[fmt] += 1
     log.info("hyloop: %s weights=%s: %s", source, mode, dict(counts))

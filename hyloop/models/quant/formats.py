@@ -3,8 +3,8 @@
 - ``Int4Groups``: per output row, groups of ``group`` input columns; a weight is
   ``code * scale + min`` with a code in [0, 15] (GGUF's Q4_0, Q4_1 and Q4_K are exactly this with
   groups of 32, so they convert without loss).
-- ``Int8Rows``: per output row one scale; a weight is ``code * scale`` with a code in
-  [-127, 127] (symmetric per-channel int8).
+- ``Int8Rows``: per output row (or per group of 32 along it) one scale; a weight is
+  ``code * scale`` with an int8 code (symmetric per-channel int8, or GGUF's Q8_0 blocks).
 
 Both come either from a GGUF file's own blocks (``loaders.gguf_blocks``) or from a dense weight by
 round-to-nearest (``int4_from_dense``, ``int8_from_dense``). Scales are rounded to the kernels'
@@ -50,13 +50,31 @@ class Int4Groups:
 
 @dataclass(frozen=True)
 class Int8Rows:
-    """``codes`` int8 ``[N, K]`` in [-127, 127]; ``scale`` float32 ``[N]``."""
+    """``codes`` int8 ``[N, K]``; ``scale`` float32 ``[N]`` (one per row: symmetric
+    per-channel int8) or ``[N, K / 32]`` (one per group of 32: GGUF's Q8_0 blocks as the file
+    holds them)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
 
+    def group_scales(self) -> torch.Tensor:
+        """The scale of every group of 32, ``[N, K / 32]``."""
+        n, k = self.codes.shape
+        if self.scale.dim() == 2:
+            return self.scale.float()
+        return self.scale.float().view(n, 1).expand(n, k // INT4_GROUP).contiguous()
+
     def dequantize(self) -> torch.Tensor:
-        return self.codes.float() * self.scale[:, None]
+        n, k = self.codes.shape
+        g = self.codes.float().view(n, -1, INT4_GROUP) * self.group_scales()[..., None]
+        return g.view(n, k)
+
+    @staticmethod
+    def cat(parts: list[Int8Rows]) -> Int8Rows:
+        """Row blocks stacked (a fused projection), with a scale per group of 32."""
+        return Int8Rows(
+            torch.cat([p.codes for p in parts]), torch.cat([p.group_scales() for p in parts])
+        )
 
 
 def int4_from_dense(

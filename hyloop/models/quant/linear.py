@@ -4,7 +4,8 @@ of float32 roundings over the groups).
 
 - ``Int4Linear``: 4-bit codes in groups of 32 along the input, a scale and a minimum per group
   (GGUF's Q4_0 / Q4_1 / Q4_K, kept as the file holds them);
-- ``Int8Linear``: int8 codes with one scale per output row (requantized from any other type).
+- ``Int8Linear``: int8 codes with a scale per group of 32 (GGUF's Q8_0 blocks as the file holds
+  them) or per output row (requantized from any other type).
 
 Each runs as hyloop's ``hyloop::panel_linear`` over the weight packed as panels once the CPU
 kernels are loaded (``attach_panels``; the decoder stack reads the same panels), and otherwise
@@ -156,12 +157,10 @@ class Int8Linear(WeightOnlyLinear):
                 f"{INT4_GROUP} input columns, so they must be a multiple of {INT4_GROUP}"
             )
         self.register_buffer("codes", rows.codes.contiguous())
-        self.register_buffer("scale", rows.scale.float().contiguous())
+        self.register_buffer("scale", rows.group_scales().contiguous())  # [N, K / 32]
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
-        groups = self.in_features // INT4_GROUP
-        scale = self.scale.view(-1, 1).expand(-1, groups)
-        return quant_linear(x, self.codes, scale.contiguous(), None, self.bias)
+        return quant_linear(x, self.codes, self.scale, None, self.bias)
 
     def make_panels(self) -> Panels:
         return Panels.int8(Int8Rows(self.codes, self.scale), self.split)

@@ -25,6 +25,7 @@ from hyloop.models.loaders.gguf_blocks import GGUFBlocks, unpermute_rope_rows
 from hyloop.models.quant import (
     Int4Linear,
     Int8Linear,
+    Int8Rows,
     int4_from_dense,
     int8_from_dense,
     quantize_linears,
@@ -273,3 +274,19 @@ def test_compiled_step_with_quantized_weights_equals_eager(tiny_files: dict[str,
     eager = [o.outputs[0].token_ids for o in _run(path, "auto", "eager", PROMPTS)]
     compiled = [o.outputs[0].token_ids for o in _run(path, "auto", "compile", PROMPTS)]
     assert compiled == eager
+
+
+def test_auto_keeps_q8_0_blocks_as_the_file_holds_them(tiny_files: dict[str, Path]) -> None:
+    """Q8_0 (ffn_down, the tied head) stays the file's int8 codes and per-32 scales: the layer's
+    weight is exactly the dequantized file's, no per-row requantization."""
+    auto = load_model(tiny_files["quantized"], torch.float32, CPU, "auto").model
+    dense = dict(
+        load_model(tiny_files["quantized"], torch.float32, CPU, "dequantize").model.named_modules()
+    )
+    checked = 0
+    for name, layer in auto.named_modules():
+        if isinstance(layer, Int8Linear) and layer.codes is not None:
+            held = Int8Rows(layer.codes, layer.scale).dequantize()
+            assert torch.equal(held, dense[name].weight.detach()), name
+            checked += 1
+    assert checked == 3  # two down projections and the head
