@@ -17,26 +17,18 @@ from hyloop import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 
-# Long enough that the perplexity is a measurement: with 8-bit activations (hyloop's kernels,
-# as llama.cpp's) a last-digit difference upstream can flip a code, and over ~60 tokens that
-# alone moved it by 3%.
-TEXT = (
-    "The lighthouse keeper kept two logs. The first recorded what the rules asked for: the hour "
-    "the lamp was lit, the oil it burned, the ships that passed and the state of the sea. The "
-    "second was his own, and in it he wrote down what the first had no column for. He noted the "
-    "gulls that came back each spring to the same ledge below the gallery, the fishermen who "
-    "waved and the ones who did not, and the winter storm that broke three panes of the lantern "
-    "room while he held a tarpaulin against the wind until dawn. When the inspector came in "
-    "the autumn he read only the first log, signed it, and praised the keeper for his tidy "
-    "hand. Years later, after the light was automated and the keeper had moved to a cottage in "
-    "the village, his daughter found the second log in a trunk. She read it in one evening, "
-    "and the next morning she walked out along the breakwater to look at the tower again."
-)
+# bench/quantized.py's held text (~1,750 tokens): long enough that the perplexity is a
+# measurement. With 8-bit activations (hyloop's kernels, as llama.cpp's) a last-bit change
+# upstream can flip a code: over ~200 tokens that alone moved it by +-1.5%; over this text
+# repeated 1-ulp perturbations of the embeddings read +1.5% to +2.6% against the dequantized
+# model. The bound is what a broken kernel would blow through, not a tuned figure.
+TEXT = (Path(__file__).resolve().parents[2] / "bench" / "held_text.txt").read_text()
+BOUND = 0.03
 OVERRIDES = [
     "graphs.backend=eager",
-    "model.max_context=512",
+    "model.max_context=4096",
     "kv_pool.page_size=16",
-    "kv_pool.num_pages=32",
+    "kv_pool.num_pages=160",
 ]
 
 
@@ -64,13 +56,13 @@ def _one_copy_each(llm: LLM) -> None:
         assert names == ({"panel_data"} if kernels.native else set(layer.reference_buffers))
 
 
-def test_smollm2_q4_1_runs_int4_within_two_percent(gguf_path: Path) -> None:
+def test_smollm2_q4_1_runs_int4_near_the_dequantized_model(gguf_path: Path) -> None:
     ref, formats, _ = _ppl_and_formats(gguf_path, "dequantize")
     assert formats == {}
     ppl, formats, _ = _ppl_and_formats(gguf_path, "auto")
     # 30 layers x (qkv, o, gate_up, down) from Q4_1 blocks; the tied head from Q8_0 token_embd
     assert formats == {"int4": 120, "int8": 1}
-    assert abs(ppl / ref - 1) < 0.02, (ppl, ref)
+    assert abs(ppl / ref - 1) < BOUND, (ppl, ref)
 
 
 def test_gemma3_q4_k_m_keeps_each_block_type() -> None:
@@ -81,4 +73,4 @@ def test_gemma3_q4_k_m_keeps_each_block_type() -> None:
     # 18 layers: attn_output and half the ffn_down are Q4_K (int4); q/k Q5_0 with v Q8_0, the
     # Q5_0 gate/up, the Q6_K ffn_down and the tied Q8_0 head are int8
     assert formats == {"int4": 27, "int8": 18 + 18 + 9 + 1}
-    assert abs(ppl / ref - 1) < 0.02, (ppl, ref)
+    assert abs(ppl / ref - 1) < BOUND, (ppl, ref)
