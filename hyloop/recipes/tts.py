@@ -186,9 +186,9 @@ def run_tts(args: argparse.Namespace) -> int:
             batch = todo[k : k + step]
             prompts = [entries[n].prompt for n in batch]
             params = [p for n in batch if (p := entries[n].params) is not None]
-            outs = tts.generate(prompts, params, use_tqdm=not args.no_progress)
-            for n, res in zip(batch, outs, strict=True):
-                writer.put(n, res, None)
+            # Each line's record as soon as it and the lines before it are done.
+            for i, res in tts.generate_iter(prompts, params, use_tqdm=not args.no_progress):
+                writer.put(batch[i], res, None)
         out.close()
         if not args.no_progress and signals.signum is None:
             print(tts.summary(), file=sys.stderr)

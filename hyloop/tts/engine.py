@@ -261,8 +261,15 @@ class TTSEngine:
         self, prompts: Sequence[Any], params: TTSParams | Sequence[TTSParams], use_tqdm: bool = True
     ) -> list[TTSOutput]:
         """Run ``prompts`` (rows ``[N, channels]``, or ``TTSPrompt``\\ s) to their end; outputs in
-        input order. Without the loop thread it steps the engine itself (chunks of requests
-        added by other callers are then dropped); with it, it reads each request's stream."""
+        input order (``generate_iter`` hands each over as soon as the ones before it are)."""
+        return [out for _, out in self.generate_iter(prompts, params, use_tqdm)]
+
+    def generate_iter(
+        self, prompts: Sequence[Any], params: TTSParams | Sequence[TTSParams], use_tqdm: bool = True
+    ) -> Iterator[tuple[int, TTSOutput]]:
+        """``(index, output)`` in input order, each as soon as it and those before it are done.
+        Without the loop thread it steps the engine itself (chunks of requests added by other
+        callers are then dropped); with it, it reads each request's stream."""
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"params: {len(plist)} given for {len(prompts)} prompts")
@@ -271,17 +278,23 @@ class TTSEngine:
         total = sum(p.max_frames for p in plist)
         with tqdm(total=total, desc="frames", disable=not use_tqdm, dynamic_ncols=True) as bar:
             if self._thread is not None:
-                for rid in ids:
+                for k, rid in enumerate(ids):
                     for chunk in self.stream(rid):
                         chunks[rid].append(chunk)
                         bar.update(len(chunk.rows))
-            else:
-                wanted = set(ids)
-                for chunk in self._drive():
-                    if chunk.request_id in wanted:
-                        chunks[chunk.request_id].append(chunk)
-                        bar.update(len(chunk.rows))
-        return [self._output(rid, chunks[rid]) for rid in ids]
+                    yield k, self._output(rid, chunks[rid])
+                return
+            done, k = set(), 0
+            for chunk in self._drive():
+                if chunk.request_id in chunks:
+                    chunks[chunk.request_id].append(chunk)
+                    bar.update(len(chunk.rows))
+                    done |= {chunk.request_id} if chunk.final else set()
+                    while k < len(ids) and ids[k] in done:
+                        yield k, self._output(ids[k], chunks[ids[k]])
+                        k += 1
+            for rest in range(k, len(ids)):  # the engine ran dry: ``_output`` says which
+                yield rest, self._output(ids[rest], chunks[ids[rest]])
 
     def _add_prompt(self, prompt: Any, params: TTSParams) -> str:
         if isinstance(prompt, TTSPrompt):
