@@ -31,8 +31,7 @@ as there are free cores) or OpenMP's sleeping ones; ``HYLOOP_CPU_POOL=0`` always
 and ``bench/decode_step.py`` measure what each saves.
 
 The library is ``$HYLOOP_CACHE_DIR/cpu_ops/<key>.so``, keyed by the sources, torch and the CPU (it
-is built with ``-march=native`` and ``-ffp-contract=off``: every multiply-add the kernels fuse
-is written out, so their roundings are the ones ``panels.h`` states). A missing library is
+is built with ``-march=native``). A missing library is
 built when a model is about to load (once per machine, about 30 s on 2 cores, with a line on
 stderr saying so and how long it took; processes building at once wait for one build). Without a
 compiler, or when the build fails, it says why in one line and callers keep their PyTorch
@@ -165,15 +164,7 @@ def _flags() -> list[str]:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     libs = [f"-L{p}" for p in cpp_extension.library_paths()]
-    opts = [
-        "-O3",
-        "-march=native",
-        "-ffp-contract=off",
-        "-shared",
-        "-fPIC",
-        "-std=c++20",
-        "-fopenmp",
-    ]
+    opts = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++20", "-fopenmp"]
     return [*opts, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, *libs, "-lc10", "-ltorch_cpu"]
 
 

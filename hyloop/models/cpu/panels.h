@@ -22,10 +22,9 @@
 // Every output element is one sequential chain over k (or over groups), whatever the tile
 // shape and the row count, so a row's result is bit-identical alone, batched, or in a prefill.
 // The integer kinds' chain is the quantized modes' definition (``quant/reference.py`` computes
-// it in torch, bit for bit): per group, the exact integer dot times (weight scale * activation
-// scale), added; for int4 then the weight minimum times the activation group's float sum,
-// added; every product and sum rounded once (no fused multiply-adds: the library is built
-// with -ffp-contract=off), groups in order.
+// it in torch, bit for bit): groups in order, per group one fused multiply-add of the exact
+// integer dot and (weight scale * activation scale, rounded once), then for int4 one of the
+// weight minimum and the activation group's float sum.
 // AVX-512 (with VNNI and BF16 where present) runs the tiles; elsewhere portable loops compute
 // the same thing (bfloat16 pairs as two fused multiply-adds).
 
@@ -359,8 +358,8 @@ inline void tile_i4(const Rows& x, int64_t m0, const uint8_t* w, int64_t stride,
           hi = _mm512_dpbusd_epi32(hi, codes[p][4 + c], _mm512_set1_epi32(xr[4 + c]));
         }
         const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi));
-        acc[m][p] = _mm512_add_ps(acc[m][p], _mm512_mul_ps(dot, _mm512_mul_ps(sc[p], d)));
-        acc[m][p] = _mm512_add_ps(acc[m][p], _mm512_mul_ps(mn[p], s));
+        acc[m][p] = _mm512_fmadd_ps(dot, _mm512_mul_ps(sc[p], d), acc[m][p]);
+        acc[m][p] = _mm512_fmadd_ps(mn[p], s, acc[m][p]);
       }
     }
   }
@@ -381,8 +380,8 @@ inline void tile_i4(const Rows& x, int64_t m0, const uint8_t* w, int64_t stride,
               dot += (byte >> 4) * xq[m * x.ld + g * kGroup + 16 + 4 * c + r];
             }
           const float sc = get_scale(b + 256, j, half), mn = get_scale(b + 256 + kCols * sb, j, half);
-          acc += static_cast<float>(dot) * (sc * xd[m * G + g]);
-          acc += mn * xs[m * G + g];
+          acc = std::fma(static_cast<float>(dot), sc * xd[m * G + g], acc);
+          acc = std::fma(mn, xs[m * G + g], acc);
         }
         tile[m][p][j] = acc;
       }
@@ -421,7 +420,7 @@ inline void tile_i8(const Rows& x, int64_t m0, const uint8_t* w, int64_t stride,
                                    _mm512_set1_epi32(xr[c + 1]));
         }
         const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-        acc[m][p] = _mm512_add_ps(acc[m][p], _mm512_mul_ps(dot, _mm512_mul_ps(sc[p], d)));
+        acc[m][p] = _mm512_fmadd_ps(dot, _mm512_mul_ps(sc[p], d), acc[m][p]);
       }
     }
   }
@@ -439,7 +438,7 @@ inline void tile_i8(const Rows& x, int64_t m0, const uint8_t* w, int64_t stride,
             for (int64_t r = 0; r < 4; ++r)
               dot += (static_cast<int32_t>(b[c * 64 + j * 4 + r]) - 128) *
                      xq[m * x.ld + g * kGroup + 4 * c + r];
-          acc += static_cast<float>(dot) * (get_scale(b + 512, j, false) * xd[m * G + g]);
+          acc = std::fma(static_cast<float>(dot), get_scale(b + 512, j, false) * xd[m * G + g], acc);
         }
         tile[m][p][j] = acc;
       }

@@ -8,9 +8,9 @@ activations:
    (half to even) in int8, and its float sum ``v_0 + v_1 + ... + v_31`` added in that order;
 2. per output column and group, the integer dot product of the activation codes with the weight
    codes (exact: at most 32 * 127 * 127 in magnitude);
-3. the output is a chain over the groups in order, every product and sum rounded once to
-   float32: ``acc += dot * (scale * d)``, then for int4 ``acc += min * fsum``; plus the bias, then
-   the input's dtype.
+3. the output is a chain over the groups in order of fused multiply-adds in float32 (one
+   rounding each): ``acc = fma(dot, scale * d, acc)`` (``scale * d`` rounded once), then for int4
+   ``acc = fma(min, fsum, acc)``; plus the bias, then the input's dtype.
 
 ``hyloop::panel_linear`` and the decoder stack compute exactly this (``models/cpu/panels.h``);
 ``quant_linear`` is the same in torch ops, for machines where those kernels are not built (no
@@ -48,6 +48,23 @@ def _group_dots(codes: torch.Tensor, weight_codes: torch.Tensor) -> torch.Tensor
     return torch.bmm(codes.transpose(0, 1), weight_codes.float().permute(1, 2, 0))
 
 
+def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``a * b + c`` rounded once to float32, as the CPU's fused multiply-add, for float32
+    operands whose product is exact in float64 (24 + 24 significant bits): the float64 sum is
+    rounded to odd (its TwoSum error says whether it was exact, and which way it moved), and a
+    float64 rounded to odd then rounded to float32 is the correctly rounded sum (53 >= 24 + 2
+    bits; Boldo and Melquiond)."""
+    p = a.double() * b.double()
+    c64 = c.double()
+    s = p + c64
+    back = s - p
+    err = (p - (s - back)) + (c64 - back)
+    even = (s.view(torch.int64) & 1) == 0
+    toward = torch.where(err > 0, torch.inf, -torch.inf).to(torch.float64)
+    s = torch.where((err != 0) & even, torch.nextafter(s, toward), s)
+    return s.float()
+
+
 def _quant_linear(
     x: torch.Tensor,
     codes: torch.Tensor,
@@ -61,9 +78,9 @@ def _quant_linear(
     dots = _group_dots(q, codes.view(n, k // GROUP, GROUP))
     acc = torch.zeros(x2.shape[0], n, dtype=torch.float32)
     for g in range(k // GROUP):
-        acc += dots[g] * (scale[:, g][None, :] * d[:, g][:, None])
+        acc = fma(dots[g], scale[:, g][None, :] * d[:, g][:, None], acc)
         if mins is not None:
-            acc += mins[:, g][None, :] * fsum[:, g][:, None]
+            acc = fma(mins[:, g][None, :], fsum[:, g][:, None], acc)
     if bias is not None:
         acc += bias.float()
     return acc.to(x.dtype).view(*x.shape[:-1], n)

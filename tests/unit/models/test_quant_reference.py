@@ -5,13 +5,16 @@ fp16 and fp32 scales, a bias, odd shapes)."""
 
 from __future__ import annotations
 
+from fractions import Fraction
+
+import numpy as np
 import pytest
 import torch
 
 from hyloop.models.cpu import cpu_ops
 from hyloop.models.quant import Int4Linear, Int8Linear, int4_from_dense, int8_from_dense
 from hyloop.models.quant.formats import Int4Groups
-from hyloop.models.quant.reference import quantize_activations
+from hyloop.models.quant.reference import fma, quantize_activations
 
 native = pytest.mark.skipif(
     not cpu_ops.ensure_loaded(), reason="no C++ compiler: hyloop's CPU kernels cannot be built"
@@ -95,3 +98,36 @@ def test_the_panels_are_the_reference_bit_for_bit(
                 got = panel_layer(x)
             assert got.dtype == dtype
             assert torch.equal(_bits(got), _bits(want)), (type(ref_layer).__name__, rows)
+
+
+def _round_to_float32(x: Fraction) -> float:
+    """The float32 nearest ``x`` (ties to even), by exact comparison with its two neighbours."""
+    near = np.float32(float(x))
+    down, up = np.float32(-np.inf), np.float32(np.inf)
+    cands = [np.nextafter(near, down), near, np.nextafter(near, up)]
+
+    def distance(c: np.float32) -> tuple[Fraction, int]:
+        return abs(Fraction(float(c)) - x), int(np.float32(c).view(np.int32)) & 1
+
+    return float(min(cands, key=distance))
+
+
+def test_fma_rounds_once_where_float64_would_round_twice() -> None:
+    """``fma`` against exact rational arithmetic: random operands, and sums built to land where
+    rounding to float64 first and then to float32 gives the wrong neighbour."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(4000, generator=g) * 2.0 ** torch.randint(-20, 20, (4000,), generator=g)
+    b = torch.randn(4000, generator=g)
+    c = torch.randn(4000, generator=g) * 2.0 ** torch.randint(-20, 20, (4000,), generator=g)
+    # c = 1 + 2**-23 (an odd float32), a * b = 2**-24 - 2**-60: the exact sum lies just below
+    # the midpoint to the next float32; float64 rounds it onto the midpoint, and the tie then
+    # goes to the even neighbour above (the fused result stays at c). Both signs.
+    tricky_a = torch.tensor([1 + 2.0**-18, -(1 + 2.0**-18)], dtype=torch.float32)
+    tricky_b = torch.tensor([2.0**-24 * (1 - 2.0**-18)] * 2, dtype=torch.float32)
+    tricky_c = torch.tensor([1 + 2.0**-23, -(1 + 2.0**-23)], dtype=torch.float32)
+    twice = (tricky_a.double() * tricky_b.double() + tricky_c.double()).float()
+    assert not torch.equal(twice, tricky_c)  # the case is real: rounding twice moves it
+    a, b, c = torch.cat([a, tricky_a]), torch.cat([b, tricky_b]), torch.cat([c, tricky_c])
+    got = fma(a, b, c)
+    for x, y, z, r in zip(a.tolist(), b.tolist(), c.tolist(), got.tolist(), strict=True):
+        assert r == _round_to_float32(Fraction(x) * Fraction(y) + Fraction(z)), (x, y, z)
