@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -119,6 +120,16 @@ class JobSignals:
     @property
     def name(self) -> str:
         return signal.Signals(self.signum).name if self.signum is not None else ""
+
+    def report(self, command: str, written: int, total: int, where: str, unit: str) -> int:
+        """A stopped job's one summary line (on stderr); returns its exit code (130 / 143)."""
+        assert self.exit_code is not None, "report: no signal came"
+        print(
+            f"{command}: interrupted by {self.name}: {written} of {total} {unit} in {where}; "
+            "rerun with --resume to finish",
+            file=sys.stderr,
+        )
+        return self.exit_code
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is not None:  # the second: out now; every line on disk is whole

@@ -298,12 +298,7 @@ def run_generate(args: argparse.Namespace) -> int:
         if signals.signum is None:  # a stopped job says one line, below
             print("\n" + llm.summary(), file=sys.stderr if args.output else sys.stdout)
     if signals.exit_code is not None:
-        print(
-            f"generate: interrupted by {signals.name}: {sink.written} of {len(lines)} rows in "
-            f"{args.output or 'stdout'}; rerun with --resume to finish",
-            file=sys.stderr,
-        )
-        return signals.exit_code
+        return signals.report("generate", sink.written, len(lines), args.output or "stdout", "rows")
     if args.input:
         print(f"{len(lines) - sink.failed} rows done, {sink.failed} failed", file=sys.stderr)
     return 1 if sink.failed else 0

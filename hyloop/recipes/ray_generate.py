@@ -52,12 +52,7 @@ def run_generate_ray(args: argparse.Namespace) -> int:
         sink.partial = stop.is_set()
     computed = sink.prompt_tokens - sink.cached_tokens
     if signals.exit_code is not None:
-        print(
-            f"generate: interrupted by {signals.name}: {sink.written} of {len(lines)} rows in "
-            f"{args.output or 'stdout'}; rerun with --resume to finish",
-            file=sys.stderr,
-        )
-        return signals.exit_code
+        return signals.report("generate", sink.written, len(lines), args.output or "stdout", "rows")
     print(
         f"{len(lines) - sink.failed} rows done, {sink.failed} failed; {args.ray} replicas "
         f"({'prefix affinity' if opts.prefix_affinity else 'default split'}); prefill "

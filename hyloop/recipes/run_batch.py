@@ -112,12 +112,7 @@ def run_batch(args: argparse.Namespace) -> int:
         print("\n" + summary, file=sys.stderr)
     where = "stdout" if args.output_file == "-" else args.output_file
     if signals.exit_code is not None:
-        print(
-            f"run-batch: interrupted by {signals.name}: {writer.next} of {len(rows)} lines in "
-            f"{where}; rerun with --resume to finish",
-            file=sys.stderr,
-        )
-        return signals.exit_code
+        return signals.report("run-batch", writer.next, len(rows), where, "lines")
     print(f"run-batch: {len(rows)} lines to {where}, {writer.errors} errors", file=sys.stderr)
     return 0
 

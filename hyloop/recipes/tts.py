@@ -193,12 +193,7 @@ def run_tts(args: argparse.Namespace) -> int:
         if not args.no_progress and signals.signum is None:
             print(tts.summary(), file=sys.stderr)
     if signals.exit_code is not None:
-        print(
-            f"tts: interrupted by {signals.name}: {writer.written} of {len(lines)} lines in "
-            f"{args.output}; rerun with --resume to finish",
-            file=sys.stderr,
-        )
-        return signals.exit_code
+        return signals.report("tts", writer.written, len(lines), args.output, "lines")
     return 1 if writer.failed else 0
 
 
