@@ -54,7 +54,7 @@ namespace hyloop::panels {
 constexpr int64_t kCols = 16;   // output columns per panel (one 512-bit vector of float32)
 constexpr int64_t kGroup = 32;  // quantization group along K
 constexpr int64_t kPrefetch = 64;  // weight rows (k steps) prefetched ahead of the tile
-constexpr int64_t kPrefetchGroups = 4;  // the integer kinds: groups ahead
+constexpr int64_t kPrefetchGroups = 8;  // the integer kinds: groups ahead
 
 enum Kind : int64_t { kF32 = 0, kBF16 = 1, kI4 = 2, kI8 = 3 };
 
@@ -331,6 +331,32 @@ inline void tile_i4(const Rows& x, int64_t m0, const uint8_t* w, int64_t stride,
   for (int m = 0; m < MR; ++m)
     for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F);
+  if constexpr (MR == 1) {
+    // One row: each panel's codes are unpacked and used at once (holding NP panels' unpacked
+    // codes for several rows would spill), the row's eight broadcasts shared by the panels.
+    for (int64_t g = 0; g < G; ++g) {
+      const auto* xr = reinterpret_cast<const int32_t*>(xq + g * kGroup);
+      __m512i xb[8];
+      for (int c = 0; c < 8; ++c) xb[c] = _mm512_set1_epi32(xr[c]);
+      const __m512 d = _mm512_set1_ps(xd[g]), s = _mm512_set1_ps(xs[g]);
+      for (int p = 0; p < NP; ++p) {
+        const uint8_t* b = w + p * stride + g * block;
+        for (int64_t line = 0; line < block; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchGroups * block + line), _MM_HINT_T0);
+        __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+        for (int c = 0; c < 4; ++c) {
+          const __m512i v = _mm512_loadu_si512(b + 64 * c);
+          lo = _mm512_dpbusd_epi32(lo, _mm512_and_si512(v, low), xb[c]);
+          hi = _mm512_dpbusd_epi32(hi, _mm512_and_si512(_mm512_srli_epi16(v, 4), low), xb[4 + c]);
+        }
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi));
+        acc[0][p] = _mm512_fmadd_ps(dot, _mm512_mul_ps(load_scales(b + 256, half), d), acc[0][p]);
+        acc[0][p] = _mm512_fmadd_ps(load_scales(b + 256 + kCols * sb, half), s, acc[0][p]);
+      }
+    }
+    for (int p = 0; p < NP; ++p) _mm512_storeu_ps(tile[0][p], acc[0][p]);
+    return;
+  }
   for (int64_t g = 0; g < G; ++g) {
     __m512i codes[NP][8];
     __m512 sc[NP], mn[NP];
@@ -576,7 +602,12 @@ inline void rows_over(const Weight& w, const Rows& x, int64_t p, const Output& o
 inline void gemm(const Weight& w, const Rows& x, int64_t p0, int64_t p1, const Output& out) {
   const bool dense = w.kind == kF32 || w.kind == kBF16;
   int64_t p = p0;
-  if (x.m == 1) {
+  if (x.m == 1 && !dense) {
+    for (; p < p1; ++p) rows_over<1, 1>(w, x, p, out);
+  } else if (x.m == 1) {
+    if (w.kind == kBF16) {
+      for (; p + 8 <= p1; p += 8) rows_over<1, 8>(w, x, p, out);
+    }
     for (; p + 4 <= p1; p += 4) rows_over<1, 4>(w, x, p, out);
   } else if (dense && x.m > 8 && x.m <= kBlockedRows) {
     for (; p + 2 <= p1; p += 2) dense_blocked<2>(w, x, p, out);
