@@ -21,14 +21,18 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include <array>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -80,11 +84,35 @@ struct Workspace {
   std::vector<std::vector<float>> scratch;  // per rank: attention scores and accumulators
 };
 
+// Where a step's time goes inside the stack, per rank (``stack_phase_times``): the GEMMs, the
+// norms, attention (with q/k norms, RoPE and the K/V write) and the barriers' waits.
+enum Phase : int { kNorm, kQkv, kAttn, kO, kGateUp, kDown, kWait, kPhases };
+using PhaseSeconds = std::array<double, kPhases>;
+
 struct Stack {
   Spec spec;
   std::vector<Layer> layers;
   Workspace ws;
   std::mutex use;  // one call at a time per stack (its workspace)
+  bool timed = false;  // accumulate phase_s (set by stack_phase_times; read under `use`)
+  std::vector<PhaseSeconds> phase_s;  // per rank
+};
+
+// A rank's clock over the phases: each ``mark`` charges the time since the last to `phase`.
+class PhaseClock {
+ public:
+  explicit PhaseClock(PhaseSeconds* out) : out_(out), last_(now()) {}
+  void mark(Phase phase) {
+    if (out_ == nullptr) return;
+    const auto t = now();
+    (*out_)[phase] += std::chrono::duration<double>(t - last_).count();
+    last_ = t;
+  }
+
+ private:
+  static std::chrono::steady_clock::time_point now() { return std::chrono::steady_clock::now(); }
+  PhaseSeconds* out_;
+  std::chrono::steady_clock::time_point last_;
 };
 
 std::mutex registry_mutex;
@@ -303,6 +331,37 @@ inline std::pair<int64_t, int64_t> gemm_share(const Proj& p, const P::Rows& x, f
   return {p0, p1};
 }
 
+// This rank's share of a GEMM's panel bytes, as gemm_share splits them.
+inline std::pair<const uint8_t*, const uint8_t*> share_bytes(const Proj& p, int64_t unit, int r,
+                                                             int t) {
+  const int64_t units = (p.w.panels + unit - 1) / unit;
+  const auto [u0, u1] = share(units, r, t);
+  const int64_t p0 = u0 * unit, p1 = std::min(p.w.panels, u1 * unit);
+  return {p.w.panel(p0), p.w.panel(std::max(p0, p1))};
+}
+
+// Weight bytes to bring towards the core while a rank waits at a barrier: its share of the next
+// GEMM, a few lines per call (``Team::sync``'s idle work), so that a rank that arrives early
+// starts that GEMM from its L2 instead of memory. Prefetches change no result.
+struct Prefetch {
+  static constexpr int64_t kLinesPerCall = 16;
+  const uint8_t* at = nullptr;
+  const uint8_t* end = nullptr;
+
+  void set(std::pair<const uint8_t*, const uint8_t*> range) { std::tie(at, end) = range; }
+  static bool step(void* self) {
+    auto* f = static_cast<Prefetch*>(self);
+    if (f->at >= f->end) return false;
+    const uint8_t* stop = std::min(f->end, f->at + 64 * kLinesPerCall);
+#ifdef HYLOOP_P512
+    for (; f->at < stop; f->at += 64) _mm_prefetch(reinterpret_cast<const char*>(f->at), _MM_HINT_T1);
+#else
+    f->at = stop;
+#endif
+    return true;
+  }
+};
+
 // A projection back to the hidden size, added to the residual on this rank's columns (the
 // projection's output rounded, then the sum, as the layers' `x + o(...)` rounds them).
 inline void gemm_residual(const Proj& p, const P::Rows& x, Workspace& ws, int64_t B, int64_t H,
@@ -326,17 +385,28 @@ void run_layers(Stack& s, const StepInputs& in, int64_t B, int rank, hyloop::Tea
   const int64_t nqkv = q + 2 * sp.kv_heads * D, I = sp.inter, G = sp.heads / sp.kv_heads;
   std::vector<float>& scratch = ws.scratch[rank];
   float norm_row[8192];
-  for (size_t li = 0; li < s.layers.size(); ++li) {
+  PhaseClock clock(s.timed ? &s.phase_s[rank] : nullptr);
+  Prefetch ahead;
+  // The end of a phase: wait for the others, prefetching this rank's share of `next` meanwhile.
+  const auto sync = [&](Phase done, const Proj& next, int64_t unit) {
+    clock.mark(done);
+    ahead.set(share_bytes(next, unit, rank, T_));
+    team.sync(&Prefetch::step, &ahead);
+    clock.mark(kWait);
+  };
+  const size_t n_layers = s.layers.size();
+  for (size_t li = 0; li < n_layers; ++li) {
     const Layer& l = s.layers[li];
+    const Layer& after = s.layers[li + 1 < n_layers ? li + 1 : li];
     // 1. input norm -> the qkv GEMM's rows
     for (int64_t b = rank; b < B; b += T_) {
       rms_norm(ws.resid.data() + b * H, l.in_norm.const_data_ptr<float>(), H, sp.eps, bf, norm_row);
       ws.in_rows.set_row(b, norm_row);
     }
-    team.sync();
+    sync(kNorm, l.qkv, 2);
     // 2. qkv
     gemm_share(l.qkv, ws.in_rows.view(), ws.qkv.data(), nqkv, 2, rank, T_);
-    team.sync();
+    sync(kQkv, l.o, 2);
     // 3. attention, (row, kv head) tasks; each writes its heads' columns of the o GEMM's rows
     // Contiguous runs of tasks per rank: a row's kv heads read neighbouring parts of the same
     // pool rows, one after another.
@@ -347,17 +417,17 @@ void run_layers(Stack& s, const StepInputs& in, int64_t B, int rank, hyloop::Tea
       attend<T>(sp, l, in, static_cast<int64_t>(li), b, h, ws.qkv.data() + b * nqkv, scratch, out);
       ws.attn_rows.set_cols(b, h * G * D, G * D, out);
     }
-    team.sync();
+    sync(kAttn, l.o, 2);
     // 4. o + residual
     gemm_residual(l.o, ws.attn_rows.view(), ws, B, H, bf, rank, T_);
-    team.sync();
+    sync(kO, l.gate_up, 4);
     // 5. post-attention norm -> the gate/up GEMM's rows
     for (int64_t b = rank; b < B; b += T_) {
       rms_norm(ws.resid.data() + b * H, l.post_norm.const_data_ptr<float>(), H, sp.eps, bf,
                norm_row);
       ws.mlp_rows.set_row(b, norm_row);
     }
-    team.sync();
+    sync(kNorm, l.gate_up, 4);
     // 6. gate/up in units of two panel pairs (32 columns: whole groups for a quantized down),
     // then SiLU(gate) * up on this rank's columns -> the down GEMM's rows
     {
@@ -377,10 +447,10 @@ void run_layers(Stack& s, const StepInputs& in, int64_t B, int rank, hyloop::Tea
         ws.down_rows.set_cols(b, c0, c1 - c0, a + c0);
       }
     }
-    team.sync();
+    sync(kGateUp, l.down, 2);
     // 7. down + residual
     gemm_residual(l.down, ws.down_rows.view(), ws, B, H, bf, rank, T_);
-    team.sync();
+    sync(kDown, after.qkv, 2);
   }
 }
 
@@ -447,6 +517,7 @@ at::Tensor decode_layers(const at::Tensor& x, int64_t handle, at::TensorList k_b
   std::lock_guard<std::mutex> guard(s->use);
   const int threads = hyloop::team_size();
   ensure_workspace(*s, B, threads);
+  if (s->timed && static_cast<int>(s->phase_s.size()) < threads) s->phase_s.resize(threads);
   const at::Tensor xc = x.reshape({B, H}).contiguous();
   if (sp.bf16) {
     load_row(xc.const_data_ptr<c10::BFloat16>(), B * H, s->ws.resid.data());
@@ -469,6 +540,22 @@ at::Tensor decode_layers(const at::Tensor& x, int64_t handle, at::TensorList k_b
   return out;
 }
 
+// The seconds each rank spent per phase since the last call ([ranks, phases]: norm, qkv,
+// attention, o, gate/up, down, barrier waits), then resets them; `enable` turns the clocks on or
+// off for the calls that follow (off: no clock is read).
+at::Tensor stack_phase_times(int64_t handle, bool enable) {
+  const auto s = find(handle);
+  std::lock_guard<std::mutex> guard(s->use);
+  const auto ranks = static_cast<int64_t>(s->phase_s.size());
+  at::Tensor out = at::zeros({ranks, kPhases}, at::kDouble);
+  double* o = out.mutable_data_ptr<double>();
+  for (int64_t r = 0; r < ranks; ++r)
+    for (int p = 0; p < kPhases; ++p) o[r * kPhases + p] = s->phase_s[r][p];
+  s->phase_s.assign(s->phase_s.size(), PhaseSeconds{});
+  s->timed = enable;
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hyloop, m) {
@@ -481,6 +568,7 @@ TORCH_LIBRARY_FRAGMENT(hyloop, m) {
       "Tensor?[] biases) -> ()",
       &stack_add_layer);
   m.def("stack_free(int handle) -> ()", &stack_free);
+  m.def("stack_phase_times(int handle, bool enable) -> Tensor", &stack_phase_times);
   m.def(
       "decode_layers(Tensor x, int handle, Tensor(a!)[] k_bufs, Tensor(b!)[] v_bufs, Tensor loc, "
       "Tensor slots, Tensor bias, Tensor cos, Tensor sin) -> Tensor");

@@ -18,7 +18,9 @@
 - ``hyloop::decode_layers(x [B, H], handle, k_bufs!, v_bufs!, loc [B], slots [B, L],
   bias [B, L], cos, sin [B, rot]) -> [B, H]`` (``cpu_decoder.cpp``): every decoder layer of a
   dense model for one new token per row, registered once with ``stack_create`` /
-  ``stack_add_layer`` (``decoder_stack.DecoderStack``), writing each layer's K/V at ``loc``.
+  ``stack_add_layer`` (``decoder_stack.DecoderStack``), writing each layer's K/V at ``loc``;
+  ``stack_phase_times(handle, enable) -> [ranks, 7]`` float64 seconds per phase since the last
+  call (``decoder_stack.PHASES``), and whether the steps that follow keep the clocks.
 
 The GEMMs and attention split their work over hyloop's own thread pool (``cpu_pool.cpp``), not
 OpenMP's regions: its workers spin between a step's kernels while the machine is quiet (no

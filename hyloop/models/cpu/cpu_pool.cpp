@@ -273,6 +273,20 @@ void Team::sync() {
   }
 }
 
+void Team::sync(bool (*idle)(void*), void* ctx) {
+  if (size_ <= 1) return;
+  const int phase = phase_.load(std::memory_order_acquire);
+  if (arrived_.fetch_add(1, std::memory_order_acq_rel) == size_ - 1) {
+    arrived_.store(0, std::memory_order_relaxed);
+    phase_.fetch_add(1, std::memory_order_release);
+    phase_.notify_all();
+    return;
+  }
+  while (phase_.load(std::memory_order_acquire) == phase) {
+    if (!idle(ctx)) return wait_while(phase_, phase, kIdle);
+  }
+}
+
 int team_size() {
   const int threads = in_pool_job ? 1 : std::max(1, at::get_num_threads());
   if (threads <= 1 || !pool_enabled()) return 1;

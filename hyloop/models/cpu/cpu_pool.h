@@ -24,6 +24,9 @@ class Team {
   explicit Team(int size) : size_(size) {}
   int size() const { return size_; }
   void sync();
+  // sync(), calling idle(ctx) while the others have not arrived, until it returns false (its
+  // work is done): a member that arrives early does useful work instead of spinning.
+  void sync(bool (*idle)(void*), void* ctx);
 
  private:
   int size_;

@@ -26,6 +26,9 @@ from hyloop.models.cpu.panels import BF16, F32, I4, I8, Panels, gate_up_split
 from hyloop.models.layers.attention.paged import attention_meta
 
 MAX_HIDDEN, MAX_GROUP, MAX_ROTARY = 8192, 64, 1024  # cpu_decoder.cpp's fixed buffers
+# cpu_decoder.cpp's Phase: norms, the four GEMMs, attention (q/k norms, RoPE, the K/V write
+# included), and the barriers' waits.
+PHASES = ("norm", "qkv", "attention", "o", "gate_up", "down", "wait")
 
 
 def stack_refusal(model: nn.Module) -> str | None:
@@ -113,6 +116,7 @@ class DecoderStack:
         )
         weakref.finalize(self, torch.ops.hyloop.stack_free, self.handle)
         self.kinds: dict[str, int] = {}
+        self.weight_bytes = 0  # what a step reads of the layers' weights: panels and norms
         with torch.no_grad():
             for i, layer in enumerate(layers):
                 prefix = f"model.layers.{i}"
@@ -136,6 +140,8 @@ class DecoderStack:
                 )
                 for p in projections:
                     self.kinds[_KIND_NAMES[p.kind]] = self.kinds.get(_KIND_NAMES[p.kind], 0) + 1
+                self.weight_bytes += sum(p.nbytes for p in projections)
+                self.weight_bytes += sum(4 * n.numel() for n in norms)  # held as float32
 
     def runs(self, rows: int) -> bool:
         """Whether a decode step of ``rows`` rows takes the stack: every one does (it computes
@@ -162,6 +168,16 @@ class DecoderStack:
             sin,
         )
         return out.view(b, 1, self.hidden)
+
+    def phase_times(self, enable: bool = True) -> dict[str, float]:
+        """Seconds per phase of the steps since the last call, as the calling thread (rank 0)
+        saw them: its own work per phase, and in ``wait`` its time at barriers waiting for the
+        others; then reset. ``enable`` turns the clocks on for the steps that follow (off by
+        default: no clock is read)."""
+        seconds = torch.ops.hyloop.stack_phase_times(self.handle, enable)
+        if seconds.numel() == 0:
+            return dict.fromkeys(PHASES, 0.0)
+        return dict(zip(PHASES, seconds[0].tolist(), strict=True))
 
     def describe(self) -> dict[str, Any]:
         """What the run summary reports: projections per weight kind."""

@@ -217,3 +217,45 @@ def test_the_stack_runs_every_decode_step() -> None:
     count (``model.cpu_stack=auto`` follows the CPU's ISA alone)."""
     stack = DecoderStack(tiny("llama", torch.float32))
     assert all(stack.runs(r) for r in (1, 3, 64)) and stack.describe()["rows"] == "every"
+
+
+def test_phase_clocks_account_for_the_step_only_when_on() -> None:
+    """The stack's phase clocks: off, nothing is charged; on, every phase of a step that does
+    work is charged, and the phases sum to no more than the step's own time."""
+    import time
+
+    from hyloop.models.cpu.decoder_stack import PHASES
+
+    model = tiny("llama", torch.float32)
+    kv, table = pools(model, torch.float32)
+    prefill(model, kv, table)
+    stack = DecoderStack(model)
+    assert stack.weight_bytes == sum(
+        4 * p.numel() for n, p in model.model.layers.named_parameters() if "norm" in n
+    ) + sum(
+        mod.panels.nbytes if getattr(mod, "panels", None) is not None else 4 * mod.weight.numel()
+        for layer in model.model.layers
+        for mod in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        )
+    )
+    batch = decode_batch(kv, table, NativePath(stack))
+    stack.phase_times(False)
+    with torch.no_grad():
+        model(batch)
+    assert set(stack.phase_times(True).values()) == {0.0}
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        model(batch)
+    wall = time.perf_counter() - t0
+    seconds = stack.phase_times(False)
+    assert tuple(seconds) == PHASES
+    for phase in ("norm", "qkv", "attention", "o", "gate_up", "down"):
+        assert seconds[phase] > 0, phase
+    assert sum(seconds.values()) <= wall
+    with torch.no_grad():
+        model(batch)
+    assert set(stack.phase_times(False).values()) == {0.0}
