@@ -30,17 +30,20 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))  # run from a checkout
 sys.path.insert(0, str(BENCH))
+# First: hyloop sets OpenMP's passive wait policy, which libgomp reads once, when torch loads
+# (spinning libgomp threads take the core an eager step's kernel threads need).
+importlib.import_module("hyloop")
 
+import torch  # noqa: E402
 from common import machine_record, parse_batches, read_bandwidth, write_json  # noqa: E402
 from profile_ops import classify, profile_steps  # noqa: E402
 
