@@ -105,10 +105,13 @@ inline float sum_squares(const float* x, int64_t n) {
 // columns of one row: column j reads pool slot slots[j] (rows of `k_row` / `v_row` elements,
 // head h at h * D), is visible unless bias[j] is -inf, and adds bias[j] to its score.
 // `scratch` holds G * (L + 1) floats. out[g * D + i] (float32) for each head g.
+// With `self_slot` >= 0, the column at that slot reads `k_self` / `v_self` (the head's own new
+// K/V, which another thread may be writing to the pool meanwhile: the same values).
 template <typename T>
 void group(const float* q, int64_t G, int64_t D, const T* kb, int64_t k_row, const T* vb,
            int64_t v_row, int64_t h, const int64_t* slots, const float* bias, int64_t L,
-           float scale, float* scratch, float* out) {
+           float scale, float* scratch, float* out, int64_t self_slot = -1,
+           const T* k_self = nullptr, const T* v_self = nullptr) {
   const float ninf = -std::numeric_limits<float>::infinity();
   float* scores = scratch;  // [G][n]
   int64_t n = 0;
@@ -125,7 +128,7 @@ void group(const float* q, int64_t G, int64_t D, const T* kb, int64_t k_row, con
   const int64_t lines = (D * static_cast<int64_t>(sizeof(T)) + 63) / 64;
   for (int64_t j = 0; j < L; ++j) {
     if (bias[j] == ninf) continue;
-    const T* k = kb + slots[j] * k_row + h * D;
+    const T* k = slots[j] == self_slot ? k_self : kb + slots[j] * k_row + h * D;
 #ifdef HYLOOP_A512
     if (j + kAhead < L) {
       const char* ka = reinterpret_cast<const char*>(kb + slots[j + kAhead] * k_row + h * D);
@@ -171,7 +174,7 @@ void group(const float* q, int64_t G, int64_t D, const T* kb, int64_t k_row, con
   int64_t col = 0;
   for (int64_t j = 0; j < L; ++j) {
     if (bias[j] == ninf) continue;
-    const T* v = vb + slots[j] * v_row + h * D;
+    const T* v = slots[j] == self_slot ? v_self : vb + slots[j] * v_row + h * D;
     for (int64_t g = 0; g < G; ++g) {
       const float p = scores[g * L + col];
       float* o = out + g * D;

@@ -256,39 +256,57 @@ struct StepInputs {
   int64_t ctx = 0, rot = 0;
 };
 
-// Task (b, h): q heads of kv head h and its k / v for row b: norms, RoPE, the K/V write at
-// loc[b], then attention over row b's visible columns; writes the G heads' outputs.
+// Task (b, h, g0): query heads [g0, g0 + n) of kv head h for row b, with that head's k / v:
+// norms, RoPE, the K/V write at loc[b] (by the task holding the group's first head), then
+// attention over row b's visible columns, the new column read from this task's own k / v;
+// writes the n heads' outputs. Each head's arithmetic is the same however a group is split.
 template <typename T>
 void attend(const Spec& sp, const Layer& l, const StepInputs& in, int64_t layer, int64_t b,
-            int64_t h, const float* qkv_row, std::vector<float>& scratch, float* out_row) {
+            int64_t h, int64_t g0, int64_t n, const float* qkv_row, std::vector<float>& scratch,
+            float* out_row) {
   const int64_t D = sp.head_dim, G = sp.heads / sp.kv_heads, L = in.ctx;
   const bool bf = sp.bf16;
-  scratch.resize(G * D + 2 * D + G * (L + 1));
+  scratch.resize(n * D + 2 * D + n * (L + 1));
   float* q = scratch.data();
-  float* k = q + G * D;
+  float* k = q + n * D;
   float* v = k + D;
-  std::memcpy(q, qkv_row + h * G * D, G * D * sizeof(float));
+  std::memcpy(q, qkv_row + (h * G + g0) * D, n * D * sizeof(float));
   std::memcpy(k, qkv_row + sp.heads * D + h * D, D * sizeof(float));
   std::memcpy(v, qkv_row + (sp.heads + sp.kv_heads) * D + h * D, D * sizeof(float));
-  round_all(q, G * D, bf);
+  round_all(q, n * D, bf);
   round_all(k, D, bf);
   round_all(v, D, bf);
   const float* cos = in.cos + b * in.rot;
   const float* sin = in.sin + b * in.rot;
-  for (int64_t g = 0; g <= G; ++g) {  // G query heads, then the key
-    float* head = g < G ? q + g * D : k;
-    const at::Tensor& norm = g < G ? l.q_norm : l.k_norm;
+  for (int64_t g = 0; g <= n; ++g) {  // n query heads, then the key
+    float* head = g < n ? q + g * D : k;
+    const at::Tensor& norm = g < n ? l.q_norm : l.k_norm;
     if (norm.defined()) rms_norm(head, norm.const_data_ptr<float>(), D, sp.eps, bf, head);
     rope(head, cos, sin, in.rot, bf);
   }
   T* kb = in.k_bufs[layer].mutable_data_ptr<T>();
   T* vb = in.v_bufs[layer].mutable_data_ptr<T>();
   const int64_t k_row = in.k_bufs[layer].stride(0), v_row = in.v_bufs[layer].stride(0);
-  store_row(k, D, kb + in.loc[b] * k_row + h * D);
-  store_row(v, D, vb + in.loc[b] * v_row + h * D);
-  hyloop::attend::group(q, G, D, kb, k_row, vb, v_row, h, in.slots + b * L, in.bias + b * L, L,
-                        static_cast<float>(sp.scale), v + D, out_row);
-  round_all(out_row, G * D, bf);
+  thread_local std::vector<T> own;  // this task's new K / V in the pool's dtype
+  own.resize(2 * D);
+  store_row(k, D, own.data());
+  store_row(v, D, own.data() + D);
+  if (g0 == 0) {
+    std::memcpy(kb + in.loc[b] * k_row + h * D, own.data(), D * sizeof(T));
+    std::memcpy(vb + in.loc[b] * v_row + h * D, own.data() + D, D * sizeof(T));
+  }
+  hyloop::attend::group(q, n, D, kb, k_row, vb, v_row, h, in.slots + b * L, in.bias + b * L, L,
+                        static_cast<float>(sp.scale), v + D, out_row, in.loc[b], own.data(),
+                        own.data() + D);
+  round_all(out_row, n * D, bf);
+}
+
+// The fewest query heads a task may hold: one, unless the o GEMM's rows are integer codes per
+// group of 32 and one head's columns are not whole groups (then the kv head's whole group).
+inline int64_t heads_per_task(const Spec& sp, const hyloop::RowsBuffer& rows) {
+  const bool grouped = rows.kind() == P::kI4 || rows.kind() == P::kI8;
+  if (!grouped || sp.head_dim % P::kGroup == 0) return 1;
+  return sp.heads / sp.kv_heads;
 }
 
 void ensure_workspace(Stack& s, int64_t rows, int64_t threads) {
@@ -407,15 +425,21 @@ void run_layers(Stack& s, const StepInputs& in, int64_t B, int rank, hyloop::Tea
     // 2. qkv
     gemm_share(l.qkv, ws.in_rows.view(), ws.qkv.data(), nqkv, 2, rank, T_);
     sync(kQkv, l.o, 2);
-    // 3. attention, (row, kv head) tasks; each writes its heads' columns of the o GEMM's rows
-    // Contiguous runs of tasks per rank: a row's kv heads read neighbouring parts of the same
-    // pool rows, one after another.
-    const auto [t0, t1] = share(B * sp.kv_heads, rank, T_);
+    // 3. attention, (row, kv head, query heads) tasks; each writes its heads' columns of the o
+    // GEMM's rows. Contiguous runs of tasks per rank: a row's kv heads read neighbouring parts
+    // of the same pool rows, one after another. A kv head's group is split into `per`-head
+    // tasks when there are too few groups to share out evenly (a batch of one row).
+    const bool few = B * sp.kv_heads < std::max(4, 2 * T_);
+    const int64_t per = few ? heads_per_task(sp, ws.attn_rows) : G;
+    const int64_t tasks_per_row = sp.heads / per;
+    const auto [t0, t1] = share(B * tasks_per_row, rank, T_);
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / sp.kv_heads, h = t % sp.kv_heads;
-      float* out = ws.act.data() + b * q + h * G * D;
-      attend<T>(sp, l, in, static_cast<int64_t>(li), b, h, ws.qkv.data() + b * nqkv, scratch, out);
-      ws.attn_rows.set_cols(b, h * G * D, G * D, out);
+      const int64_t b = t / tasks_per_row, first = (t % tasks_per_row) * per;
+      const int64_t h = first / G, g0 = first % G;
+      float* out = ws.act.data() + b * q + first * D;
+      attend<T>(sp, l, in, static_cast<int64_t>(li), b, h, g0, per, ws.qkv.data() + b * nqkv,
+                scratch, out);
+      ws.attn_rows.set_cols(b, first * D, per * D, out);
     }
     sync(kAttn, l.o, 2);
     // 4. o + residual

@@ -259,3 +259,51 @@ def test_phase_clocks_account_for_the_step_only_when_on() -> None:
     with torch.no_grad():
         model(batch)
     assert set(stack.phase_times(False).values()) == {0.0}
+
+
+def _copy(kv: KVPool, dtype: torch.dtype) -> KVPool:
+    pool = KVPool(len(kv.k), kv.k[0].shape[0], 1, kv.k[0].shape[1], kv.k[0].shape[2], dtype, "cpu")
+    for i in range(len(kv.k)):
+        pool.k[i].copy_(kv.k[i])
+        pool.v[i].copy_(kv.v[i])
+    return pool
+
+
+@pytest.mark.parametrize(
+    ("dtype", "weights"),
+    [(torch.float32, "dequantize"), (torch.bfloat16, "dequantize"), (torch.float32, "int8")],
+)
+def test_a_row_alone_is_the_row_in_a_batch(dtype: torch.dtype, weights: str) -> None:
+    """A row decoded alone (its kv heads' query groups split over the threads) gives the bits it
+    gets in a batch (one task per kv head), K/V written included."""
+    model = tiny("llama", dtype, weights)
+    kv, table = pools(model, dtype)
+    prefill(model, kv, table)
+    stack = NativePath(DecoderStack(model))
+    batched = _copy(kv, dtype)
+    full = decode_batch(batched, table, stack)
+    with torch.no_grad():
+        together = model(full)
+    for r in range(len(LENS)):
+        alone = _copy(kv, dtype)
+        pos = torch.tensor([[LENS[r]]])
+        loc = table.table[r, LENS[r]].long().view(1, 1)
+        batch = make_batch(
+            input_ids=full.input_ids[r : r + 1],
+            positions=pos,
+            out_cache_loc=loc,
+            req_rows=torch.tensor([r]),
+            prefix_lens=pos.view(1),
+            extend_lens=torch.ones(1, dtype=torch.int64),
+            req_to_token=table.table,
+            kv_len=max(LENS) + 1,
+            kv=alone,
+            is_decode=True,
+            compute=stack,
+        )
+        with torch.no_grad():
+            one = model(batch)
+        assert torch.equal(one[0], together[r]), r
+        for i in range(len(kv.k)):
+            assert torch.equal(alone.k[i][loc.view(-1)], batched.k[i][loc.view(-1)])
+            assert torch.equal(alone.v[i][loc.view(-1)], batched.v[i][loc.view(-1)])
