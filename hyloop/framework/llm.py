@@ -205,7 +205,7 @@ class LLM:
         make_bar = use_tqdm if callable(use_tqdm) else tqdm
         bar = make_bar(total=len(ids), desc="requests", disable=not use_tqdm, dynamic_ncols=True)
         s0 = dict(self.engine.stats())
-        t0 = time.perf_counter()
+        t0 = shown = time.perf_counter()
         pending = set(ids)
         try:
             while pending and self.engine.has_unfinished_requests():
@@ -216,7 +216,10 @@ class LLM:
                         pending.discard(out.request_id)
                         bar.update(1)
                         yield index[out.request_id], out
-                bar.set_postfix(_rates(s0, self.engine.stats()), refresh=False)
+                # The rates for a shown bar, a few times a second (a decode step takes ms).
+                if use_tqdm and (now := time.perf_counter()) - shown > 0.25:
+                    bar.set_postfix(_rates(s0, self.engine.stats()), refresh=False)
+                    shown = now
         finally:  # a consumer that stops early (or an error) leaves nothing running
             self.engine.abort_request(pending)
             bar.close()
