@@ -34,7 +34,14 @@ def test_the_rule_follows_the_isa_and_the_mode(isa: str, monkeypatch: pytest.Mon
         assert dense_kernel(dtype, native=True, mode="packed") == oneDNN
 
 
-@pytest.mark.parametrize("flags", ["avx512f avx512_bf16", "avx512f"])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        "avx512f avx512_bf16",  # Zen 4 / Zen 5, Cooper Lake
+        "avx512f avx512_bf16 amx_bf16 amx_int8 amx_tile",  # Sapphire Rapids and later
+        "avx512f",  # Skylake-SP .. Ice Lake: bf16 weights stay on oneDNN
+    ],
+)
 def test_bf16_panels_need_the_cpus_bf16_dot_products(
     flags: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
