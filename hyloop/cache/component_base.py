@@ -19,7 +19,7 @@ import torch
 
 from hyloop.cache.lru import LRUList
 from hyloop.cache.node import FULL, TreeNode
-from hyloop.cache.params import InsertParams
+from hyloop.cache.params import InsertParams, MatchPrefixParams
 from hyloop.pools.page_allocator import PageAllocator
 
 
@@ -47,7 +47,53 @@ class ComponentHost(Protocol):
         ...
 
 
-class CacheComponent:
+class TreeHook:
+    """What the core asks of everything it carries per node: the components, and marks (a
+    flag a hook keeps on nodes, e.g. what a match may not serve). The core never reads what a
+    hook keeps; it asks whether a match may walk into a node and an insert may join one, and
+    tells each hook where nodes are added and split."""
+
+    def serves(self, node: TreeNode, params: MatchPrefixParams) -> bool:
+        """Whether a match for ``params`` may walk into ``node`` (False: it ends before it)."""
+        return True
+
+    # -- insert ---------------------------------------------------------------------------------
+    def begin_insert(self, params: InsertParams, aligned: int) -> Any:
+        """Per-insert state of an insert of ``aligned`` page-aligned tokens."""
+        return None
+
+    def joins(self, node: TreeNode, state: Any) -> bool:
+        """Whether the insert may walk into existing ``node`` (False: it stops before it and
+        the tree takes none of the key from there on)."""
+        return True
+
+    def overlap_cut(self, node: TreeNode, state: Any) -> int | None:
+        """A depth inside existing ``node`` to split it at before the insert walks it."""
+        return None
+
+    def on_insert_overlap(self, node: TreeNode, state: Any, stamp: int) -> None:
+        """An insert walked through existing ``node``."""
+
+    def new_leaf_cuts(self, start: int, end: int, state: Any) -> list[int]:
+        """Depths in ``(start, end)`` where the insert's new tokens must be split into nodes."""
+        return []
+
+    def on_new_leaf(self, node: TreeNode, state: Any, stamp: int) -> None:
+        """The insert added ``node`` (after ``on_new_node``)."""
+
+    def finish_insert(self, node: TreeNode, state: Any, stamp: int, whole: bool) -> dict[str, Any]:
+        """The insert ends at ``node`` (``whole``: its key was page aligned, nothing cut off);
+        returns what this hook adds to the ``InsertResult``."""
+        return {}
+
+    def on_split(self, upper: TreeNode, lower: TreeNode) -> None:
+        """``upper`` (new) took the first part of ``lower``'s tokens."""
+
+    def check(self, nodes: list[TreeNode]) -> None:
+        """Invariants over all non-root nodes."""
+
+
+class CacheComponent(TreeHook):
     """Base component: hits everywhere, locks nothing, holds nothing."""
 
     kind: int = -1
@@ -82,36 +128,9 @@ class CacheComponent:
         """What this component adds to a ``MatchResult`` ending at ``node``."""
         return {}
 
-    # -- insert ---------------------------------------------------------------------------------
-    def begin_insert(self, params: InsertParams, aligned: int) -> Any:
-        """Per-insert state of an insert of ``aligned`` page-aligned tokens."""
-        return None
-
-    def overlap_cut(self, node: TreeNode, state: Any) -> int | None:
-        """A depth inside existing ``node`` to split it at before the insert walks it."""
-        return None
-
-    def on_insert_overlap(self, node: TreeNode, state: Any, stamp: int) -> None:
-        """An insert walked through existing ``node``."""
-
-    def new_leaf_cuts(self, start: int, end: int, state: Any) -> list[int]:
-        """Depths in ``(start, end)`` where the insert's new tokens must be split into nodes."""
-        return []
-
-    def on_new_leaf(self, node: TreeNode, state: Any, stamp: int) -> None:
-        """The insert added ``node`` (after ``on_new_node``)."""
-
-    def finish_insert(self, node: TreeNode, state: Any, stamp: int, whole: bool) -> dict[str, Any]:
-        """The insert ends at ``node`` (``whole``: its key was page aligned, nothing cut off);
-        returns what this component adds to the ``InsertResult``."""
-        return {}
-
     # -- structure ------------------------------------------------------------------------------
     def on_new_node(self, node: TreeNode, stamp: int) -> None:
         """``node`` was just added with a FULL value."""
-
-    def on_split(self, upper: TreeNode, lower: TreeNode) -> None:
-        """``upper`` (new) took the first part of ``lower``'s tokens."""
 
     def on_delete(self, node: TreeNode) -> None:
         """``node`` leaves the tree: release this component's data."""
@@ -177,9 +196,6 @@ class CacheComponent:
         return evicted
 
     # -- checks ---------------------------------------------------------------------------------
-    def check(self, nodes: list[TreeNode]) -> None:
-        """Component invariants over all non-root nodes."""
-
     def check_ledger(self, nodes: list[TreeNode], held: dict[str, int]) -> None:
         """This component's pool against what the tree holds; ``held`` says what requests
         hold and what waits on a launched step (``invariants.check_cache``)."""

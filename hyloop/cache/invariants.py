@@ -35,10 +35,6 @@ def _walk_nodes(cache: UnifiedRadixCache) -> list[TreeNode]:
                 raise AssertionError(f"tree: node {child.id} child key {ck!r} != its first page")
             if child.depth != parent.depth + child.length:
                 raise AssertionError(f"tree: node {child.id} depth {child.depth} is inconsistent")
-            if parent.approximate and not child.approximate:
-                raise AssertionError(
-                    f"tree: node {child.id} is marked exact below approximate node {parent.id}"
-                )
             nodes.append(child)
             stack.append(child)
     return nodes
@@ -73,8 +69,8 @@ def check_cache(cache: UnifiedRadixCache, held: dict[str, int]) -> None:
         raise AssertionError(
             f"tree: leaf set drifted ({len(cache.leaves)} tracked, {len(leaves)} actual)"
         )
-    for c in cache.components:
-        c.check(nodes)
+    for h in [*cache.components, *cache.marks]:
+        h.check(nodes)
     _check_locks(cache, nodes)
     for c in cache.components:
         c.check_ledger(nodes, held)

@@ -69,7 +69,8 @@ class TreeNode:
         self.alive = True
         self.heap_stamp = -1  # stamp of its newest FULL eviction-heap entry; -1: none
         # Its KV is approximate: reused at another offset, or computed after such KV (so are
-        # all its descendants'). An exact-prefix match never serves it (``tree.RadixTree``).
+        # all its descendants'). An exact-prefix match never serves it
+        # (``position_independent.exactness``).
         self.approximate = False
 
     @property

@@ -22,7 +22,8 @@ class MatchPrefixParams:
     """``full_only`` matches on the FULL backbone alone (no SWA window or snapshot needed):
     a request re-matching its own freshly inserted prefix to read the tree's KV indices.
     ``approximate`` also walks nodes holding approximate KV (``TreeNode.approximate``), which
-    an exact-prefix match stops before: only a request re-reading its own insert asks for it."""
+    an exact-prefix match stops before: only a request re-reading its own insert asks for it
+    (``position_independent.exactness``)."""
 
     key: RadixKey
     full_only: bool = False

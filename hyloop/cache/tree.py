@@ -1,21 +1,21 @@
 """The UHRC tree core: one radix tree over token keys, shared by the cache components.
 
-The core owns the tree shape and the FULL KV indices and names no other component: where a
-component hits, what its locks pin, how an insert splits and fills its data and how it evicts
-are its hooks (``component_base``); frees are queued per component and handed back to each.
-With ``page_size > 1`` keys are matched and split at page multiples. ``lease.RequestCache``
-drives it for requests; ``peek_prefix_len`` probes without side effects (routing).
+The core owns the tree shape and the FULL KV indices and names no other component or mark:
+where a component hits, what its locks pin, how an insert splits and fills its data, how it
+evicts, and which nodes a match may walk into or an insert join, are hooks (``component_base``);
+frees are queued per component and handed back to each. Keys are matched and split at page
+multiples. ``lease.RequestCache`` drives it; ``peek_prefix_len`` probes without side effects.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
 
-from hyloop.cache.component_base import CacheComponent
+from hyloop.cache.component_base import CacheComponent, TreeHook
 from hyloop.cache.component_full import FullComponent
 from hyloop.cache.key import TOKEN_BYTES, RadixKey, page_match_bytes
 from hyloop.cache.node import FULL, TreeNode
@@ -41,7 +41,11 @@ class RadixTree:
     reuses_prefixes: ClassVar[bool] = True
 
     def __init__(
-        self, kv_allocator: PageAllocator, page_size: int, aux: list[CacheComponent]
+        self,
+        kv_allocator: PageAllocator,
+        page_size: int,
+        aux: list[CacheComponent],
+        marks: Sequence[TreeHook] = (),
     ) -> None:
         self.kv_allocator = kv_allocator
         self.page_size = page_size
@@ -54,16 +58,17 @@ class RadixTree:
         self._receipt_ids = itertools.count(1)
         # receipt id -> (receipt, what each component's lock returned, by component kind)
         self._receipts: dict[int, tuple[IncLockRefResult, dict[int, Any]]] = {}
-        self._to_free: dict[int, list[Any]] = {}
-        # Told of every node the tree removes (e.g. the position-independent donor index).
+        # Told of every node the tree removes (indexes over its nodes kept elsewhere).
         self.delete_listeners: list[Callable[[TreeNode], None]] = []
         self.full = FullComponent(self, kv_allocator)
         for c in aux:
             c.cache = self
         self.aux = aux
         self.components: list[CacheComponent] = [self.full, *aux]
+        self.marks = list(marks)  # hooks that keep no component data
+        self.hooks: list[TreeHook] = [*aux, *self.marks]  # what a walk or an insert asks
         self._by_kind = {c.kind: c for c in self.components}
-        self._to_free = {c.kind: [] for c in self.components}
+        self._to_free: dict[int, list[Any]] = {c.kind: [] for c in self.components}
         self._evict_order = sorted(self.components, key=lambda c: c.priority)
         self.component_names = tuple(c.name for c in self.components)
 
@@ -71,9 +76,10 @@ class RadixTree:
         self._stamp += 1
         return self._stamp
 
-    def _walk(self, key: RadixKey, approximate: bool = False) -> tuple[list[TreeNode], int]:
-        """Nodes the key matches from the root (exact ones only unless ``approximate``), and how
-        many tokens into the last one the match ends inside it (0: on a boundary). Read-only."""
+    def _walk(self, params: MatchPrefixParams) -> tuple[list[TreeNode], int]:
+        """Nodes the key matches from the root (as far as every hook lets it walk), and how many
+        tokens into the last one the match ends inside it (0: on a boundary). Read-only."""
+        key = params.key
         tokens = key.packed
         pb = self._page_bytes
         n = len(tokens)
@@ -82,7 +88,7 @@ class RadixTree:
             return path, 0
         child = self.root.children.get((key.extra_key, tokens[:pb]))
         pos = 0
-        while child is not None and (approximate or not child.approximate):
+        while child is not None and all(h.serves(child, params) for h in self.hooks):
             path.append(child)
             m = page_match_bytes(child.key, tokens, pos, pb)
             if m < len(child.key):
@@ -113,7 +119,6 @@ class RadixTree:
         assert parent is not None and 0 < m < node.length and m % self.page_size == 0
         mb = m * TOKEN_BYTES
         upper = TreeNode(node.key[:mb], parent, node.child_key, node.start_depth + m)
-        upper.approximate = node.approximate
         parent.children[node.child_key] = upper
         value = node.component_data[FULL].value
         upper.component_data[FULL].value = value[:m]
@@ -123,16 +128,15 @@ class RadixTree:
         node.child_key = node.key[: self._page_bytes]
         node.parent = upper
         upper.children[node.child_key] = node
-        for c in self.components:
-            c.on_split(upper, node)
+        for h in [*self.components, *self.marks]:
+            h.on_split(upper, node)
         return upper
 
     def _add_leaf(
         self, parent: TreeNode, extra_key: Any, key: bytes, value: torch.Tensor, stamp: int
     ) -> TreeNode:
         ck: Any = key[: self._page_bytes]
-        if parent.parent is None:
-            ck = (extra_key, ck)
+        ck = (extra_key, ck) if parent.parent is None else ck
         node = TreeNode(key, parent, ck, parent.depth + len(key) // TOKEN_BYTES)
         node.component_data[FULL].value = value
         if not parent.children:
@@ -147,8 +151,7 @@ class RadixTree:
     def _flush_frees(self) -> None:
         for kind, items in self._to_free.items():
             if items:
-                queued = items.copy()
-                items.clear()
+                queued, self._to_free[kind] = items, []
                 self._by_kind[kind].free(queued)
 
     # -- component surface (ComponentHost) ------------------------------------------------------
@@ -183,9 +186,8 @@ class RadixTree:
     # -- match ----------------------------------------------------------------------------------
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         """Longest prefix of ``params.key`` every component can serve; splits the node the hit
-        ends in (at a page multiple) and refreshes each component's LRU. NOTE: it stops before
-        approximate KV unless ``params.approximate``: what it serves is what a prefill computes."""
-        path, partial = self._walk(params.key, params.approximate)
+        ends in (at a page multiple) and refreshes each component's LRU."""
+        path, partial = self._walk(params)
         full_len = path[-1].start_depth + partial if partial else (path[-1].depth if path else 0)
         i, m = self._select_hit(path, partial, params.full_only)
         nodes = path[:i] + ([self._split(path[i], m)] if m else [])
@@ -206,7 +208,7 @@ class RadixTree:
 
     def peek_prefix_len(self, key: RadixKey) -> int:
         """What ``match_prefix`` would return as ``prefix_len``, read-only: no split, no LRU."""
-        path, partial = self._walk(key)
+        path, partial = self._walk(MatchPrefixParams(key))
         i, m = self._select_hit(path, partial, False)
         if m:
             return path[i].start_depth + m
@@ -228,20 +230,17 @@ class RadixTree:
         n = ntok - ntok % self.page_size
         nb = n * TOKEN_BYTES
         stamp = self._tick()
-        aux = [(c, c.begin_insert(params, n)) for c in self.aux]
+        aux = [(h, h.begin_insert(params, n)) for h in self.hooks]
         node = self.root
         pos = 0  # bytes
         overlap: list[torch.Tensor] = []
-        # KV from ``approx`` (a page multiple: a page is exact only when all of it is) is not exact
-        approx = n if params.approximate_from is None else params.approximate_from
-        approx -= approx % self.page_size
         while pos < nb:
             ck = tokens[pos : pos + pb]
             child = node.children.get((key.extra_key, ck) if node is self.root else ck)
             if child is None:
                 break
-            if child.approximate and approx > pos // TOKEN_BYTES:
-                n, nb = pos // TOKEN_BYTES, pos  # NOTE: exact KV never joins approximate KV
+            if not all(h.joins(child, state) for h, state in aux):
+                n, nb = pos // TOKEN_BYTES, pos  # the tree takes nothing from here on
                 break
             m = page_match_bytes(child.key, tokens, pos, pb)
             if m < len(child.key):
@@ -259,13 +258,11 @@ class RadixTree:
         prefix_len = pos // TOKEN_BYTES
         if pos < nb:
             cuts = {d for c, state in aux for d in c.new_leaf_cuts(prefix_len, n, state)}
-            mark = min(max(approx, prefix_len), n)
             start = prefix_len
-            for end in sorted(cuts | {mark, n} - {prefix_len}):
+            for end in sorted(cuts | {n}):
                 own = value[start:end].to(dtype=torch.int64, copy=True)
                 segment = tokens[start * TOKEN_BYTES : end * TOKEN_BYTES]
                 node = self._add_leaf(node, key.extra_key, segment, own, stamp)
-                node.approximate = start >= mark
                 for c, state in aux:
                     c.on_new_leaf(node, state, stamp)
                 start = end
@@ -284,9 +281,7 @@ class RadixTree:
         if not isinstance(node, TreeNode) or not node.alive:
             raise ValueError(f"inc_lock_ref: {node!r} is not a live node of this tree")
         tokens = {c.kind: c.lock(node) for c in self.components}
-        fields: dict[str, Any] = {}
-        for c in self.aux:
-            fields.update(c.receipt_fields(tokens[c.kind]))
+        fields = {k: v for c in self.aux for k, v in c.receipt_fields(tokens[c.kind]).items()}
         rid = next(self._receipt_ids)
         receipt = IncLockRefResult(receipt_id=rid, node=node, delta=tokens[FULL], **fields)
         self._receipts[rid] = (receipt, tokens)
@@ -320,7 +315,7 @@ class RadixTree:
 
     # -- eviction -------------------------------------------------------------------------------
     def evict(self, params: EvictParams) -> EvictResult:
-        """Cascade from low to high priority (snapshots, window KV, FULL), each in its LRU
+        """Cascade from low to high priority (``CacheComponent.priority``), each in its LRU
         order; locked data stays."""
         before = [c.evictable + c.protected for c in self.components]
         for c in self._evict_order:

@@ -18,6 +18,7 @@ from hyloop.cache.invariants import check_cache
 from hyloop.cache.no_reuse import NoReuseCache
 from hyloop.cache.node import TreeNode
 from hyloop.cache.params import IncLockRefResult
+from hyloop.cache.position_independent.exactness import ApproximateKV
 from hyloop.cache.protocol import PrefixCache
 from hyloop.cache.tree import RadixTree
 from hyloop.pools import KVPool, RecurrentPool
@@ -71,7 +72,7 @@ class UnifiedRadixCache(RadixTree):
             aux.append(RecurrentComponent(self, recurrent_allocator))
         elif recurrent_allocator is not None:
             raise ValueError("recurrent_allocator given without the 'recurrent' component")
-        super().__init__(kv_allocator, page_size, aux)
+        super().__init__(kv_allocator, page_size, aux, [ApproximateKV(page_size)])
 
     # -- locks ----------------------------------------------------------------------------------
     def inc_lock_ref(self, node: TreeNode) -> IncLockRefResult:
