@@ -1,16 +1,13 @@
-"""SWA component: sliding-window KV, reusable only where the last ``window`` tokens are present.
+"""SWA component: sliding-window KV, reusable only where the last ``window`` tokens are present
+(a tombstone marks a node's window-layer entries as not reusable: a hit needs the ``window``
+tokens before it all present, or the root).
 
-A tombstone marks the window layers' entries of a node as not reusable: a hit must end where the
-``window`` tokens before it all carry SWA data (or reach the root).
-
-Two layouts. Without an allocator of its own, every layer shares the KV pool's slot indices, so
-the SWA value of a node is its FULL slots seen by the window layers and tombstoning frees
-nothing. With one (the window layers keep a pool of their own, as the engine builds it), the
-value is that pool's slots for the node's tokens: an insert hands them in
-(``InsertParams.swa_value``, valid from ``swa_from``), this component keeps the window before
-the insert's end (a node of its own), fills window-less nodes the tree already had from
-``swa_from`` on, says which slots it took (``InsertResult.swa_taken``), and tombstoning frees
-them.
+Two layouts. Without an allocator of its own every layer shares the KV pool's slots, so a node's
+SWA value is its FULL slots and tombstoning frees nothing. With one (the window layers' own pool,
+as the engine builds it) the value is that pool's slots: an insert hands them in
+(``InsertParams.swa_value``, valid from ``swa_from``); this component keeps the window before the
+insert's end (a node of its own), fills window-less nodes from ``swa_from`` on, says which slots
+it took (``InsertResult.swa_taken``), and tombstoning frees them.
 """
 
 from __future__ import annotations
@@ -32,8 +29,8 @@ _FROM_ROOT = 1 << 62
 
 @dataclass
 class _Fill:
-    """One insert's window-pool slots: existing window-less nodes are filled from ``start``,
-    new nodes from ``keep`` (the window before the insert's ``end``)."""
+    """One insert's window-pool slots: window-less nodes are filled from ``start``, new ones
+    from ``keep`` (the window before the insert's ``end``)."""
 
     value: torch.Tensor
     start: int
@@ -63,13 +60,9 @@ class SWAComponent(CacheComponent):
         if not isinstance(window, int) or window < 1:
             raise ValueError(f"sliding_window must be an int >= 1, got {window!r}")
         if lock_granule is not None and (lock_granule < 1 or lock_granule % page_size):
-            raise ValueError(
-                f"swa lock_granule must be a multiple of {page_size}, got {lock_granule}"
-            )
+            raise ValueError(f"swa lock_granule {lock_granule}: not a multiple of {page_size}")
         if allocator is not None and allocator.page_size != page_size:
-            raise ValueError(
-                f"swa_allocator page_size {allocator.page_size} differs from {page_size}"
-            )
+            raise ValueError(f"swa_allocator page_size {allocator.page_size} != {page_size}")
         self.window = window
         self.page_size = page_size
         self.allocator = allocator  # the window layers' own pool, or None (shared slots)
@@ -233,21 +226,30 @@ class SWAComponent(CacheComponent):
     def receipt_fields(self, token: Any) -> dict[str, Any]:
         return {"swa_start_depth": token}
 
-    def unlock(self, node: TreeNode, token: object) -> None:
+    @staticmethod
+    def _pinned_nodes(node: TreeNode, token: object) -> list[TreeNode]:
+        """The nodes a lock at ``node`` that starts at depth ``token`` pins, deepest first."""
         assert isinstance(token, int)
+        out = []
         while node.parent is not None and node.depth > token:
-            cd = node.component_data[SWA]
-            cd.lock_ref -= 1
-            if cd.lock_ref == 0 and cd.value is not None:
-                self.evictable += node.length
-                self.protected -= node.length
+            out.append(node)
             node = node.parent
+        return out
+
+    def _unref(self, node: TreeNode) -> None:
+        cd = node.component_data[SWA]
+        cd.lock_ref -= 1
+        if cd.lock_ref == 0 and cd.value is not None:
+            self.evictable += node.length
+            self.protected -= node.length
+
+    def unlock(self, node: TreeNode, token: object) -> None:
+        for n in self._pinned_nodes(node, token):
+            self._unref(n)
 
     def expected_locks(self, node: TreeNode, token: object, counts: dict[int, int]) -> None:
-        assert isinstance(token, int)
-        while node.parent is not None and node.depth > token:
-            counts[node.id] = counts.get(node.id, 0) + 1
-            node = node.parent
+        for n in self._pinned_nodes(node, token):
+            counts[n.id] = counts.get(n.id, 0) + 1
 
     def lock_cuts(self, node: TreeNode) -> list[int]:
         """NOTE: a lock pins exactly the window (page rounded) before ``node``, in nodes of at
@@ -268,28 +270,16 @@ class SWAComponent(CacheComponent):
 
     def unlock_before(self, node: TreeNode, token: object, depth: int) -> int:
         assert isinstance(token, int)
-        path = []
-        while node.parent is not None and node.depth > token:
-            path.append(node)
-            node = node.parent
-        for n in reversed(path):  # from the window's start down
+        for n in reversed(self._pinned_nodes(node, token)):  # from the window's start down
             if n.depth > depth:
                 break
-            cd = n.component_data[SWA]
-            cd.lock_ref -= 1
-            if cd.lock_ref == 0 and cd.value is not None:
-                self.evictable += n.length
-                self.protected -= n.length
+            self._unref(n)
             token = n.depth
         return token
 
     def pinned(self, node: TreeNode, token: object) -> int:
-        assert isinstance(token, int)
-        held = 0
-        while node.parent is not None and node.depth > token:
-            held += 0 if node.component_data[SWA].value is None else node.length
-            node = node.parent
-        return held
+        nodes = self._pinned_nodes(node, token)
+        return sum(n.length for n in nodes if n.component_data[SWA].value is not None)
 
     # -- eviction -------------------------------------------------------------------------------
     def evict(self, amount: int) -> int:

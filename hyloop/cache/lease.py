@@ -8,9 +8,9 @@ A lease's KV row, by position (``Lease.slots``, mirrored in its req->token row):
                              prompt and its max new tokens
 
 plus, on hybrid models, one working state slot, and on sliding-window models its window pages
-(``pools.SWAWindows``, keyed by the request id). Every page and slot a request touches passes
-through here, so the ledger (free + pending-free + request-held + tree-held == capacity) has
-one place to be right. The scheduler calls down:
+(``lease_windows``). Every page and slot a request touches passes through here, so the ledger
+(free + pending-free + request-held + tree-held == capacity) has one place to be right. The
+scheduler calls down:
 
 1. ``admit``: match the prompt, lock the hit, reserve the rest (evicting unlocked tree data when
    short), take a req->token row and a working state slot and, on a recurrent hit, copy the
@@ -36,6 +36,7 @@ from typing import Any, Protocol
 import torch
 
 from hyloop.cache.key import RadixKey
+from hyloop.cache.lease_windows import LeaseWindows, NoWindows
 from hyloop.cache.params import (
     EvictParams,
     IncLockRefResult,
@@ -66,15 +67,15 @@ class Holder(Protocol):
 
 
 class Reuse(Protocol):
-    """Position-independent reuse of a prompt's unmatched tail (``framework.reuse``);
-    ``selective``: None when prefill skips reused spans, else the selective-recompute policy
-    prefill applies while it runs through them."""
-
-    selective: Any
+    """Position-independent reuse of a prompt's unmatched tail (``framework.reuse``): ``plan``
+    locks the donors of the runs it reuses (None: no run); ``realise`` copies their KV into the
+    lease's pages, records the reused spans on it and unlocks them; ``drop`` only unlocks."""
 
     def plan(self, req: Any, cached: int) -> Any: ...
 
-    def realise(self, plan: Any, slots: torch.Tensor) -> None: ...
+    def drop(self, plan: Any) -> None: ...
+
+    def realise(self, plan: Any, lease: Lease) -> None: ...
 
     def note(self, req: Any, key: RadixKey, result: InsertResult) -> None: ...
 
@@ -119,8 +120,8 @@ class RequestCache:
         self.max_context = max_context
         self.track_interval = track_interval
         self.windows = windows  # sliding-window pages of running requests
+        self.window = NoWindows() if windows is None else LeaseWindows(tree, windows)
         self.reuses = tree.reuses_prefixes
-        self.windows_in_tree = windows is not None and self.reuses
         # Without reuse nothing is committed while a request runs (the stand-in cache would
         # free the pages it is handed); a recurrent model commits at track boundaries only.
         self.commits_prefill = self.reuses and recurrent is None
@@ -138,23 +139,18 @@ class RequestCache:
         own_tokens = len(req.prompt_ids) + req.max_new - cached
         # NOTE: lock the hit before evicting for room, so eviction cannot take the hit itself.
         lock = tree.inc_lock_ref(m.last_node)
-        donors: list[IncLockRefResult] = []
-        lease: Lease | None = None
+        reuse, plan, lease = self.reuse, None, None
         try:
-            reuse = self.reuse is not None and req.reads_cache
-            plan = self.reuse.plan(req, cached) if reuse else None  # type: ignore[union-attr]
-            # NOTE: donors stay locked from the plan until their runs are copied.
-            donors = [tree.inc_lock_ref(s.node) for s in plan.reused] if plan else []
-            pinned = self._pinned_pages(lock)
+            # NOTE: a plan's donors stay locked until their runs are copied.
+            plan = reuse.plan(req, cached) if reuse is not None and req.reads_cache else None
+            pinned = self.window.pinned(lock)
             enough = self._room(req, own_tokens, pinned)
-            if not enough and donors:  # NOTE: the locked donors may be what leaves no room
-                for d in donors:
-                    tree.dec_lock_ref(d.to_dec_params())
-                plan, donors = None, []
+            if not enough and plan is not None:  # NOTE: the locked donors may leave no room
+                reuse.drop(plan)  # type: ignore[union-attr]
+                plan = None
                 enough = self._room(req, own_tokens, pinned)
             if not enough:
-                for d in [*donors, lock]:
-                    tree.dec_lock_ref(d.to_dec_params())
+                tree.dec_lock_ref(lock)
                 return None
             own = self.kv.alloc(own_tokens)
             assert own is not None, "pages were ensured"
@@ -162,21 +158,10 @@ class RequestCache:
             row = self.req_to_token.alloc()
             assert row is not None
             lease = Lease(slots, own_from=cached, lock=lock, req_row=row, cached=cached)
-            if plan is not None and donors:
-                assert self.reuse is not None
-                self.reuse.realise(plan, slots)
-                for d in donors:
-                    tree.dec_lock_ref(d.to_dec_params())
-                donors = []
-                spans = [(s.start, s.end) for s in plan.reused]
-                if self.reuse.selective is None:
-                    lease.reused_spans = spans
-                else:
-                    lease.blend_spans, lease.selective = spans, self.reuse.selective
-                lease.reused = plan.reused_tokens
-                lease.approximate_from = spans[0][0]
-            if self.windows is not None:
-                self.windows.reserve(req.request_id, _positions(req), req.total_len, cached, pinned)
+            if plan is not None:
+                reuse.realise(plan, lease)  # type: ignore[union-attr]
+                plan = None
+            self.window.reserve(req, cached, pinned)
             self.req_to_token.write(row, 0, slots[: self.max_context])
             if self.recurrent is not None:
                 slot = self.recurrent.alloc(1, SlotRole.COW if m.recurrent_hit else SlotRole.ACTIVE)
@@ -189,10 +174,10 @@ class RequestCache:
                 lease.state_slot = int(slot[0])
             return lease
         except BaseException:  # NOTE: an admission that raises holds nothing afterwards
-            for d in donors:
-                tree.dec_lock_ref(d.to_dec_params())
+            if plan is not None:
+                reuse.drop(plan)  # type: ignore[union-attr]
             if lease is None:
-                tree.dec_lock_ref(lock.to_dec_params())
+                tree.dec_lock_ref(lock)
             else:
                 self.release(req, lease, 0, commit=False, idle=True)
             raise
@@ -202,37 +187,13 @@ class RequestCache:
         enough = self._ensure_pages(self.kv.pages_for(own_tokens))
         if enough and self.recurrent is not None:
             enough = self._ensure_slots(1)
-        if enough and self.windows is not None:
-            enough = self._ensure_window(req, pinned)
-        return enough
+        return enough and self.window.room(req, pinned)
 
     def _ensure_pages(self, pages: int) -> bool:
         short = pages - self.kv.num_free_pages()
         if short > 0 and self.tree.evictable_size() > 0:
             self.tree.evict(EvictParams(num_tokens=short * self.page_size))
         return self.kv.num_free_pages() >= pages
-
-    def _ensure_window(self, req: Holder, pinned: int) -> bool:
-        """Room in the sliding-window pool for ``req``'s reservation (counting the ``pinned``
-        pages of its hit) next to the running ones'. What no reservation holds is free or the
-        tree's unpinned windows; these are evicted now as far as the reservations ask, so a
-        planned step rarely finds them still to evict (``window_room``)."""
-        assert self.windows is not None
-        positions, total = _positions(req), req.total_len
-        if not self.windows.fits(positions, total):
-            return False
-        self._evict_window(self.windows.shortfall(positions, total, pinned))
-        return True
-
-    def _pinned_pages(self, lock: IncLockRefResult) -> int:
-        """Window pages the tree pins under ``lock`` (counted against its request)."""
-        if not self.windows_in_tree:
-            return 0
-        return self.tree.pinned_size(lock, "swa") // self.page_size
-
-    def _evict_window(self, pages: int) -> None:
-        if pages > 0 and self.windows_in_tree and self.tree.evictable_size("swa") > 0:
-            self.tree.evict(EvictParams(swa_num_tokens=pages * self.page_size))
 
     def _ensure_slots(self, n: int) -> bool:
         assert self.recurrent is not None
@@ -243,15 +204,8 @@ class RequestCache:
 
     # -- before a step --------------------------------------------------------------------------
     def advance_window(self, req: Holder, lease: Lease, start: int, end: int) -> None:
-        """Before a step computes ``[start, end)``: sliding-window pages in and out, and the
-        lock's window pages the step no longer reads released (the reservation counts them)."""
-        if self.windows is not None:
-            if self.windows_in_tree:
-                first = max(0, start - self.windows.window + 1) // self.page_size
-                lease.lock = self.tree.release_before(lease.lock, first * self.page_size)
-                self.windows.set_pinned(req.request_id, self._pinned_pages(lease.lock))
-            self._evict_window(self.windows.shortfall_for(req.request_id, start, end))
-            self.windows.advance(req.request_id, lease.slots, start, end, req.total_len)
+        """Before a step computes ``[start, end)``: sliding-window pages in and out."""
+        self.window.advance(req, lease, start, end)
 
     def chunk_limit(self, start: int, length: int) -> int:
         """Split prefill at track boundaries so a boundary state is a chunk's final state."""
@@ -284,10 +238,7 @@ class RequestCache:
         """Insert ``req``'s first ``n`` tokens with the tree's share of the window and the
         ``snapshot`` slot, and re-point the lease at the pages the tree already held."""
         key = RadixKey(req.all_ids[:n], req.extra_key)
-        window, window_from = None, 0
-        if self.windows_in_tree:
-            assert self.windows is not None
-            window, window_from = self.windows.insert_value(req.request_id, n)
+        window, window_from = self.window.insert_value(req, n)
         approx = lease.approximate_from
         params = InsertParams(key, lease.slots[:n], snapshot, window, window_from, approx)
         r = self.tree.insert(params)
@@ -302,9 +253,7 @@ class RequestCache:
             assert m.prefix_len == r.aligned_len, (m.prefix_len, r.aligned_len)
             lease.slots[: r.aligned_len] = m.device_indices
             self.req_to_token.write(lease.req_row, 0, lease.slots[: r.aligned_len])
-        if self.windows_in_tree:
-            assert self.windows is not None
-            self.windows.hand_over(req.request_id, lease.slots, r.aligned_len, r.swa_taken)
+        self.window.hand_over(req, lease, r)
         stored = r.recurrent_taken and r.recurrent_stored
         if snapshot is not None and stored and self.recurrent is not None:
             self.recurrent.set_role([snapshot], SlotRole.TREE)  # taken, not stored: freed
@@ -317,12 +266,10 @@ class RequestCache:
         if state_slot is not None and not r.recurrent_taken:
             self.drop_track_slot(state_slot)
         new_lock = self.tree.inc_lock_ref(r.last_node)
-        self.tree.dec_lock_ref(lease.lock.to_dec_params())
+        self.tree.dec_lock_ref(lease.lock)
         lease.lock = new_lock
         lease.own_from = max(lease.own_from, r.aligned_len)
-        if self.windows_in_tree:
-            assert self.windows is not None
-            self.windows.set_pinned(req.request_id, self._pinned_pages(new_lock))
+        self.window.moved(req, new_lock)
 
     def release(self, req: Holder, lease: Lease, computed: int, commit: bool, idle: bool) -> None:
         """Commit the ``computed`` positions (``commit``) and free what the lease holds.
@@ -339,14 +286,13 @@ class RequestCache:
             if snapshot is not None and r.recurrent_taken:
                 state = 0  # handed to the tree (stored, or freed as a duplicate)
             keep = max(keep, r.aligned_len)
-        self.tree.dec_lock_ref(lease.lock.to_dec_params())
+        self.tree.dec_lock_ref(lease.lock)
         own = lease.slots[keep:]
         if own.numel():
             self.kv.free(own)
         if state and self.recurrent is not None:
             self.recurrent.release([state])
-        if self.windows is not None:
-            self.windows.release(req.request_id)
+        self.window.release(req)
         self.req_to_token.free(lease.req_row)
 
     def clear(self) -> bool:
@@ -368,26 +314,17 @@ class RequestCache:
         pending = self.kv.pending_size()
         if self.reuse is not None:
             self.reuse.check()
-        if self.windows is not None:
-            tree_window = self.tree.total_size("swa") if self.windows_in_tree else 0
-            pinned = {rid: self._pinned_pages(lease.lock) for rid, lease in leases.items()}
-            self.windows.check(set(leases), tree_window, pinned)
-        if self.recurrent is None:
-            self.tree.check_invariants(request_held_tokens=held, pending_free_tokens=pending)
-            return
+        self.window.check(leases)
         active = sum(1 for lease in leases.values() if lease.state_slot)
         self.tree.check_invariants(
             request_held_tokens=held,
             pending_free_tokens=pending,
             request_held_slots=active + track_held,
-            pending_free_slots=self.recurrent.pending_size(),
+            pending_free_slots=0 if self.recurrent is None else self.recurrent.pending_size(),
         )
-        self.recurrent.check_invariants(
-            tree_held=self.tree.total_size("recurrent"),
-            active_held=active,
-            track_held=track_held,
-        )
-
-
-def _positions(req: Holder) -> int:
-    return len(req.prompt_ids) + req.max_new
+        if self.recurrent is not None:
+            self.recurrent.check_invariants(
+                tree_held=self.tree.total_size("recurrent"),
+                active_held=active,
+                track_held=track_held,
+            )

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from hyloop.cache import InsertResult, RadixKey, UnifiedRadixCache
+from hyloop.cache.lease import Lease
 from hyloop.cache.position_independent.chunker import Chunker, ChunkerParams
 from hyloop.cache.position_independent.index import DonorIndex
 from hyloop.cache.position_independent.planner import ReusePlan, ReusePlanner
@@ -118,6 +119,7 @@ class PositionIndependentReuse:
             max_chunk=section.max_chunk,
             sink_tokens=section.sink_tokens,
         )
+        self.cache = cache
         self.index = DonorIndex(Chunker(params), force_collisions=force_collisions)
         cache.delete_listeners.append(self.index.on_node_deleted)
         self.planner = ReusePlanner(self.index, kv.page_size, section.recompute_tokens)
@@ -134,23 +136,42 @@ class PositionIndependentReuse:
             rows = _rows(req)[: r.aligned_len]
         self.index.note(key, r.aligned_len, r.last_node, r.prefix_len, rows)
 
-    def plan(self, req: Request, cached: int) -> ReusePlan:
+    def plan(self, req: Request, cached: int) -> ReusePlan | None:
         """Reuse for the prompt positions before the last (whose logits the prefill needs),
-        from donors of the request's own namespace (``extra_key``) only."""
+        from donors of the request's own namespace (``extra_key``) only, each donor locked
+        until ``realise`` or ``drop`` (None: nothing to reuse)."""
         n = len(req.prompt_ids) - 1
         rows = req.prompt_rows[:n].numpy() if req.prompt_rows is not None else None
-        return self.planner.plan(req.prompt_ids[:n], cached, req.extra_key, rows)
+        plan = self.planner.plan(req.prompt_ids[:n], cached, req.extra_key, rows)
+        if not plan.reused:
+            return None
+        plan.locks.extend(self.cache.inc_lock_ref(s.node) for s in plan.reused)
+        return plan
 
-    def realise(self, plan: ReusePlan, slots: torch.Tensor) -> None:
-        """Write every reused run into ``slots`` (the request's own pages at those positions)."""
-        runs = plan.reused
-        if not runs:
-            return
+    def drop(self, plan: ReusePlan) -> None:
+        """Unlock the plan's donors (once)."""
+        locks = list(plan.locks)
+        plan.locks.clear()
+        for lock in locks:
+            self.cache.dec_lock_ref(lock)
+
+    def realise(self, plan: ReusePlan, lease: Lease) -> None:
+        """Write every reused run into ``lease.slots`` (the request's own pages at those
+        positions), unlock the donors and record the runs on ``lease``."""
+        runs, slots = plan.reused, lease.slots
         src = torch.cat([r.src_slots for r in runs if r.src_slots is not None])
         dst = torch.cat([slots[r.start : r.end] for r in runs])
         new_pos = torch.cat([torch.arange(r.start, r.end) for r in runs])
         old_pos = torch.cat([torch.arange(r.src_start, r.src_start + r.length) for r in runs])
         self.shifter.copy_shifted(self.kv.k, self.kv.v, src, dst, old_pos, new_pos)
+        self.drop(plan)
+        spans = [(r.start, r.end) for r in runs]
+        if self.selective is None:
+            lease.reused_spans = spans
+        else:
+            lease.blend_spans, lease.selective = spans, self.selective
+        lease.reused = plan.reused_tokens
+        lease.approximate_from = spans[0][0]  # reused KV, and all computed after it
 
     def check(self) -> None:
         self.index.check()

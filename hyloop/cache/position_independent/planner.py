@@ -15,7 +15,7 @@ reused run's ``node`` before evicting anything and releases it once the run is c
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -23,6 +23,7 @@ import torch
 
 from hyloop.cache.key import TOKEN_BYTES
 from hyloop.cache.node import FULL, TreeNode
+from hyloop.cache.params import IncLockRefResult
 from hyloop.cache.position_independent.chunker import fingerprint
 from hyloop.cache.position_independent.index import DonorIndex, path_to, path_tokens
 
@@ -48,6 +49,8 @@ class Segment:
 @dataclass(frozen=True)
 class ReusePlan:
     segments: list[Segment]
+    # The donors' lock receipts while admission holds the plan (``framework.reuse``).
+    locks: list[IncLockRefResult] = field(default_factory=list)
 
     @property
     def reused(self) -> list[Segment]:
