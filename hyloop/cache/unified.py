@@ -155,18 +155,22 @@ def build_cache(
     enable: bool,
     kv: KVPool,
     recurrent: RecurrentPool | None = None,
+    sliding_window: int | None = None,
     swa_lock_granule: int | None = None,
 ) -> PrefixCache:
     """The UHRC with the components a model's pools need (or the no-reuse stand-in): window
-    data when the KV pool has a sliding-window pool, snapshots when there is a recurrent one."""
+    data when the KV pool has a sliding-window pool (of the model contract's
+    ``sliding_window``), snapshots when there is a recurrent one."""
     if kv.swa is not None:
+        if sliding_window is None:
+            raise ValueError("a sliding-window pool needs the model's sliding_window")
         if not enable:
-            return NoReuseCache(kv.allocator, kv.page_size, ("full", "swa"), kv.swa.window)
+            return NoReuseCache(kv.allocator, kv.page_size, ("full", "swa"), sliding_window)
         return UnifiedRadixCache(
             kv_allocator=kv.allocator,
             page_size=kv.page_size,
             components=("full", "swa"),
-            sliding_window=kv.swa.window,
+            sliding_window=sliding_window,
             swa_allocator=kv.swa.allocator,
             swa_lock_granule=swa_lock_granule,
         )

@@ -37,11 +37,11 @@ from hyloop.graphs.capture import (
     usable_buckets,
 )
 from hyloop.graphs.step_batch import CaptureBuffer, StepPools
-from hyloop.models.contract import ModelContract
+from hyloop.models.contract import ModelContract, place_kv_layers
 from hyloop.models.cpu import CpuKernels, cpu_ops
 from hyloop.models.cpu.kernel_choice import cache_dir, machine_key
 from hyloop.models.kv_shift import shifter_for
-from hyloop.models.layers.attention import compute_paths, place_kv_layers
+from hyloop.models.layers.attention import compute_paths
 from hyloop.models.loader import LoadedModel, load_model, load_tokenizer
 from hyloop.pools import KVPool, RecurrentPool, ReqToTokenPool, StepFence, SWAKVPool, SWAWindows
 
@@ -147,7 +147,7 @@ def build_engine(cfg: EngineConfig, loaded: LoadedModel | None = None) -> Engine
     # -- cache ----------------------------------------------------------------------------------
     # A window lock pins nodes of at most a prefill chunk (``SWAComponent.lock_cuts``).
     granule = max(kv.page_size, cfg.scheduler.prefill_chunk // kv.page_size * kv.page_size)
-    tree = build_cache(cfg.cache.enable, kv, recurrent, swa_lock_granule=granule)
+    tree = build_cache(cfg.cache.enable, kv, recurrent, contract.sliding_window, granule)
     reuse = None
     if cfg.cache.position_independent.enable:
         # Refuses, naming why, models whose KV cannot move (recurrent, sliding window).
@@ -189,7 +189,7 @@ def build_engine(cfg: EngineConfig, loaded: LoadedModel | None = None) -> Engine
         kv_pages=kv.allocator.num_pages,
         kv_tokens=kv.allocator.capacity,
         kv_bytes=kv.nbytes(),
-        swa_window=kv.swa.window if kv.swa is not None else None,
+        swa_window=contract.sliding_window if kv.swa is not None else None,
         swa_pages=kv.swa.allocator.num_pages if kv.swa is not None else 0,
         swa_bytes=kv.swa.nbytes() if kv.swa is not None else 0,
         recurrent_slots=recurrent.num_slots if recurrent is not None else 0,
@@ -236,7 +236,8 @@ def kv_pools(
     """The KV pool, sized from ``kv_pool.num_pages`` or the memory budget, with the sliding-
     window layers' pool of its own (``kv_pool.swa_pool``) when the model has such layers."""
     window = contract.sliding_window
-    full_layers, swa_layers = place_kv_layers(model, cfg.kv_pool.swa_pool and window is not None)
+    own_pool = cfg.kv_pool.swa_pool and window is not None
+    full_layers, swa_layers = place_kv_layers(model, contract.kv_windows, own_pool)
     ps, max_running = cfg.kv_pool.page_size, cfg.scheduler.max_running_requests
     heads, dim = contract.kv_heads, contract.head_dim
     budget = kv_budget_bytes(

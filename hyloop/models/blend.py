@@ -58,8 +58,7 @@ def kept_tokens(
     of every token at ``layer``."""
     attn = layer.self_attn
     q, k, v = attn.queries_keys_values(layer.input_layernorm(x), batch)
-    pool = batch.pools.kv
-    k_buf, v_buf = pool.k[attn.attn.pool_layer], pool.v[attn.attn.pool_layer]
+    k_buf, v_buf = attn.attn.view.buffers(batch)
     loc = batch.out_cache_loc
     # NOTE: K alone, as LMCache's blender: on SmolLM2 it picked better than K and V together
     # (bench/position_independent.py; first-token KL 0.023 against 0.037 at the same budget).

@@ -1,11 +1,12 @@
 """What an architecture tells assembly: the pools it needs, its positions, its row layout.
 
 Every model class builds a ``ModelContract`` at construction (``model.contract``). Assembly
-sizes the KV pools from ``kv_layers`` (one entry per attention layer, in order, with its
-window), the recurrent pool from ``recurrent``, the sampler from ``vocab_size``; the TTS front
-end and the frame step read ``rows``; ``rope`` says how cached keys could move (position-
-independent reuse) and ``selective_recompute`` whether its forward can recompute part of reused KV
-(``models.blend``). Nothing downstream probes a model for attributes.
+sizes the KV pools from ``kv_windows`` (per attention layer, in order, its sliding window: the
+one place a model's window size is held; the layers' KV views are placed from it,
+``models.kv_layout``), the recurrent pool from ``recurrent``, the sampler from ``vocab_size``;
+the TTS front end and the frame step read ``rows``; ``rope`` says how cached keys could move
+(position-independent reuse) and ``selective_recompute`` whether its forward can recompute
+part of reused KV (``models.blend``). Nothing downstream probes a model for attributes.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from hyloop.models.layers.attention import PagedAttention, place_kv_layers
+from hyloop.models.kv_layout import KVView
+from hyloop.models.layers.attention import PagedAttention
 from hyloop.models.layers.rope import RopeSpec
 
 
@@ -62,6 +64,28 @@ class ModelContract:
         return windows.pop() if windows else None
 
 
+def attention_layers(model: nn.Module) -> list[PagedAttention]:
+    return [m for m in model.modules() if isinstance(m, PagedAttention)]
+
+
+def place_kv_layers(
+    model: nn.Module, windows: Sequence[int | None], own_pool: bool
+) -> tuple[int, int]:
+    """Give each attention layer of ``model`` (in order; ``windows``: the contract's
+    ``kv_windows``) its view: with ``own_pool`` the sliding-window layers live in the
+    sliding-window pool and the full pool holds the rest. Returns the layer counts of (full
+    pool, sliding-window pool)."""
+    layers = attention_layers(model)
+    if len(layers) != len(windows):
+        raise ValueError(f"{len(windows)} kv_windows for {len(layers)} attention layers")
+    counts = [0, 0]
+    for attn, window in zip(layers, windows, strict=True):
+        apart = int(own_pool and window is not None)
+        attn.view = KVView(counts[apart], window, bool(apart))
+        counts[apart] += 1
+    return counts[0], counts[1]
+
+
 def contract_of(
     model: nn.Module,
     *,
@@ -71,14 +95,17 @@ def contract_of(
     recurrent: RecurrentLayers | None = None,
     rows: RowLayout | None = None,
     selective_recompute: bool = False,
+    kv_windows: Sequence[int | None] | None = None,
 ) -> ModelContract:
-    """The contract of ``model`` from its attention layers (numbered into one full pool)."""
-    layers: Sequence[PagedAttention] = [m for m in model.modules() if isinstance(m, PagedAttention)]
+    """The contract of ``model`` from its attention layers (``kv_windows``: each one's sliding
+    window, None: every layer sees all keys before it); places their views in one full pool."""
+    layers = attention_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__}: no attention layer")
-    place_kv_layers(model, swa_pool=False)
+    windows = tuple(kv_windows) if kv_windows is not None else (None,) * len(layers)
+    place_kv_layers(model, windows, own_pool=False)
     return ModelContract(
-        kv_windows=tuple(a.window for a in layers),
+        kv_windows=windows,
         kv_heads=layers[0].num_kv_heads,
         head_dim=layers[0].head_dim,
         vocab_size=vocab_size,

@@ -89,10 +89,14 @@ class SWAWindows:
         self.pool = pool
         self.allocator = pool.allocator
         self.page_size = pool.page_size
-        window = self.window = pool.window
         self.prefill_chunk = prefill_chunk
-        self.pages_per_request = self.worst_case_pages(window, prefill_chunk, pool.page_size)
+        self.pages_per_request = self.worst_case_pages(pool.window, prefill_chunk, pool.page_size)
         self._held: dict[str, _Window] = {}
+
+    @property
+    def window(self) -> int:
+        """The sliding window its pool was built for (the model contract's, at assembly)."""
+        return self.pool.window
 
     @staticmethod
     def pool_pages(

@@ -140,12 +140,12 @@ class Gemma3MLP(nn.Module):
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, spec: Gemma3Spec, rotary: RotaryEmbedding, window: int | None) -> None:
+    def __init__(self, spec: Gemma3Spec, rotary: RotaryEmbedding) -> None:
         super().__init__()
         h, eps = spec.hidden_size, spec.rms_norm_eps
         self.input_layernorm = RMSNorm(h, eps, zero_centered=True)
         self.self_attn = QKVAttention.of(
-            spec, rotary, scale=spec.attn_scale, qk_norm="zero_centered", window=window
+            spec, rotary, scale=spec.attn_scale, qk_norm="zero_centered"
         )
         self.post_attention_layernorm = RMSNorm(h, eps, zero_centered=True)
         self.pre_feedforward_layernorm = RMSNorm(h, eps, zero_centered=True)
@@ -164,9 +164,7 @@ class Gemma3Body(nn.Module):
         local = RotaryEmbedding(spec.rope_local, spec.max_positions)
         glob = RotaryEmbedding(spec.rope_global, spec.max_positions)
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(spec, local, spec.sliding_window)
-            if kind == SLIDING
-            else Gemma3DecoderLayer(spec, glob, None)
+            Gemma3DecoderLayer(spec, local if kind == SLIDING else glob)
             for kind in spec.layer_types
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, zero_centered=True)
@@ -182,8 +180,9 @@ class Gemma3CausalLM(DecoderLM):
         self.tie_weights()
         self.embed_scale = math.sqrt(spec.hidden_size)
         # Two RoPE tables (local and global): no one ``RopeSpec`` says how its keys move.
+        windows = [spec.sliding_window if t == SLIDING else None for t in spec.layer_types]
         self.contract = contract_of(
-            self, vocab_size=spec.vocab_size, max_positions=spec.max_positions
+            self, vocab_size=spec.vocab_size, max_positions=spec.max_positions, kv_windows=windows
         )
 
     def forward(self, batch: StepBatch) -> torch.Tensor:

@@ -23,7 +23,7 @@ from torch import nn
 
 from hyloop.graphs.step_batch import StepBatch
 from hyloop.models.cpu.panels import BF16, F32, I4, I8, Panels, gate_up_split
-from hyloop.models.layers.attention.paged import attention_meta
+from hyloop.models.kv_layout import attention_meta
 
 MAX_HIDDEN, MAX_GROUP, MAX_ROTARY = 8192, 64, 1024  # cpu_decoder.cpp's fixed buffers
 # cpu_decoder.cpp's Phase: norms, the four GEMMs, attention (q/k norms, RoPE, the K/V write
@@ -101,7 +101,7 @@ class DecoderStack:
         attn0 = layers[0].self_attn.attn
         self.rotary = layers[0].self_attn.rotary
         self.hidden = spec.hidden_size
-        self.pool_layers = [layer.self_attn.attn.pool_layer for layer in layers]
+        self.pool_layers = [layer.self_attn.attn.view.layer for layer in layers]
         self.handle = int(
             torch.ops.hyloop.stack_create(
                 spec.hidden_size,
@@ -152,7 +152,7 @@ class DecoderStack:
         """The layers' output ``[B, 1, H]`` for embedded tokens ``x [B, 1, H]`` (one per row)."""
         b = x.shape[0]
         pool = batch.pools.kv
-        meta = attention_meta(batch, None, False)
+        meta = attention_meta(batch)
         positions = batch.positions.view(b)
         cos = self.rotary.cos[positions].float()  # (the tables follow the model's dtype)
         sin = self.rotary.sin[positions].float()

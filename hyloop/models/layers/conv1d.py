@@ -37,22 +37,22 @@ def causal_conv1d(
     _check_shapes(x, state, weight)
     channels, kernel = weight.shape
     seq_len = x.shape[1]
-    # The whole row in one frame: position j of x sits at K-1+j of ``window``.
-    window = torch.cat(
+    # The state, then the chunk: position j of x sits at K-1+j of ``padded``.
+    padded = torch.cat(
         [state.to(weight.dtype), rearrange(x, "b t c -> b c t").to(weight.dtype)], -1
     )
-    y = F.conv1d(window, weight.unsqueeze(1), groups=channels)  # [B, C, T]
+    y = F.conv1d(padded, weight.unsqueeze(1), groups=channels)  # [B, C, T]
     y = rearrange(F.silu(y), "b c t -> b t c").to(x.dtype)
 
     if extend_lens is None:
-        new_state = window[..., seq_len:]
+        new_state = padded[..., seq_len:]
     else:
-        # NOTE: the state window ending at the real length starts at extend_len in ``window``;
+        # NOTE: the state ending at the real length starts at extend_len in ``padded``;
         # a gather keeps shapes static (no per-row slicing, no host sync).
         start = extend_lens.to(torch.int64).view(-1, 1, 1)
         offsets = torch.arange(kernel - 1, device=x.device, dtype=torch.int64).view(1, 1, -1)
         index = (start + offsets).expand(-1, channels, -1)
-        new_state = torch.gather(window, -1, index)
+        new_state = torch.gather(padded, -1, index)
     return y, new_state.to(state.dtype)
 
 
@@ -64,6 +64,6 @@ def causal_conv1d_step(
     Returns ``(silu(conv) [B, C], new_state)``, the state shifted by one to end at ``x``.
     """
     _check_shapes(x, state, weight)
-    window = torch.cat([state.to(weight.dtype), x.to(weight.dtype).unsqueeze(-1)], -1)  # [B, C, K]
-    y = F.silu((window * weight.unsqueeze(0)).sum(-1))
-    return y.to(x.dtype), window[..., 1:].to(state.dtype)
+    padded = torch.cat([state.to(weight.dtype), x.to(weight.dtype).unsqueeze(-1)], -1)  # [B, C, K]
+    y = F.silu((padded * weight.unsqueeze(0)).sum(-1))
+    return y.to(x.dtype), padded[..., 1:].to(state.dtype)

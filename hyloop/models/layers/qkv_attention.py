@@ -17,8 +17,9 @@ from hyloop.models.layers.rope import RotaryEmbedding
 class QKVAttention(nn.Module):
     """``qkv_proj`` holds ``[q; k; v]`` stacked on rows (``gated``: each head's ``[q_h | gate_h]``
     for Qwen3-Next's ``attn * sigmoid(gate)``); ``qk_norm`` is a per-head RMSNorm of q and k,
-    ``plain`` (Qwen3) or ``zero_centered`` (Gemma 3, Qwen3-Next); ``window`` makes it a
-    sliding-window layer. The scale defaults to ``head_dim ** -0.5``."""
+    ``plain`` (Qwen3) or ``zero_centered`` (Gemma 3, Qwen3-Next). The scale defaults to
+    ``head_dim ** -0.5``; which keys a query sees is the layer's KV view (the model contract's,
+    ``models.kv_layout``)."""
 
     def __init__(
         self,
@@ -34,7 +35,6 @@ class QKVAttention(nn.Module):
         o_bias: bool = False,
         qk_norm: Literal["plain", "zero_centered"] | None = None,
         gated: bool = False,
-        window: int | None = None,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -52,9 +52,7 @@ class QKVAttention(nn.Module):
             self.q_norm = RMSNorm(head_dim, eps, zero_centered=centred)
             self.k_norm = RMSNorm(head_dim, eps, zero_centered=centred)
         self.rotary = rotary
-        self.attn = PagedAttention(
-            num_heads, num_kv_heads, head_dim, scale or head_dim**-0.5, window=window
-        )
+        self.attn = PagedAttention(num_heads, num_kv_heads, head_dim, scale or head_dim**-0.5)
 
     @classmethod
     def of(cls, spec: Any, rotary: RotaryEmbedding, **options: Any) -> QKVAttention:

@@ -6,14 +6,13 @@ from hyloop.models.layers.attention.backends import (
     TorchPath,
     compute_paths,
 )
-from hyloop.models.layers.attention.paged import PagedAttention, attention_meta, place_kv_layers
+from hyloop.models.layers.attention.paged import AttentionMeta, PagedAttention
 
 __all__ = [
+    "AttentionMeta",
     "CompiledPath",
     "NativePath",
     "PagedAttention",
     "TorchPath",
-    "attention_meta",
     "compute_paths",
-    "place_kv_layers",
 ]
