@@ -17,8 +17,8 @@ from hyloop.cache.lease import RequestCache
 from hyloop.cache.unified import build_cache
 from hyloop.framework.config import EngineConfig
 from hyloop.framework.engine import Engine
-from hyloop.framework.engine_args import kv_budget_bytes
 from hyloop.framework.host_memory import trim_heap
+from hyloop.framework.kv_pools import kv_pools
 from hyloop.framework.pipeline import StepPipeline
 from hyloop.framework.reuse import PositionIndependentReuse
 from hyloop.framework.sampling_params import generation_defaults
@@ -37,13 +37,13 @@ from hyloop.graphs.capture import (
     usable_buckets,
 )
 from hyloop.graphs.step_batch import CaptureBuffer, StepPools
-from hyloop.models.contract import ModelContract, place_kv_layers
+from hyloop.models.contract import ModelContract
 from hyloop.models.cpu import CpuKernels, cpu_ops
 from hyloop.models.cpu.kernel_choice import cache_dir, machine_key
 from hyloop.models.kv_shift import shifter_for
 from hyloop.models.layers.attention import compute_paths
 from hyloop.models.loader import LoadedModel, load_model, load_tokenizer
-from hyloop.pools import KVPool, RecurrentPool, ReqToTokenPool, StepFence, SWAKVPool, SWAWindows
+from hyloop.pools import RecurrentPool, ReqToTokenPool, StepFence, SWAWindows
 
 log = logging.getLogger(__name__)
 
@@ -223,50 +223,6 @@ def step_kind_for(contract: ModelContract) -> type[StepKind]:
     from hyloop.tts.frame_step import FrameStep
 
     return TokenStep if contract.rows is None else FrameStep
-
-
-def kv_pools(
-    cfg: EngineConfig,
-    contract: ModelContract,
-    model: torch.nn.Module,
-    dtype: torch.dtype,
-    device: torch.device,
-    fence: StepFence,
-) -> KVPool:
-    """The KV pool, sized from ``kv_pool.num_pages`` or the memory budget, with the sliding-
-    window layers' pool of its own (``kv_pool.swa_pool``) when the model has such layers."""
-    window = contract.sliding_window
-    own_pool = cfg.kv_pool.swa_pool and window is not None
-    full_layers, swa_layers = place_kv_layers(model, contract.kv_windows, own_pool)
-    ps, max_running = cfg.kv_pool.page_size, cfg.scheduler.max_running_requests
-    heads, dim = contract.kv_heads, contract.head_dim
-    budget = kv_budget_bytes(
-        cfg.kv_pool.memory_budget_mb, cfg.kv_pool.gpu_memory_utilization, device
-    )
-    swa_pages = 0
-    if swa_layers:
-        assert window is not None
-        per_token = KVPool.bytes_per_token(swa_layers, heads, dim, dtype)
-        chunk = cfg.scheduler.prefill_chunk
-        swa_pages = cfg.kv_pool.swa_num_pages or SWAWindows.pool_pages(
-            window,
-            chunk,
-            ps,
-            per_request_pools=2 * max_running,
-            budget_pages=budget // 2 // (per_token * ps),
-        )
-        SWAWindows.check_pool(swa_pages, window, chunk, ps)
-        budget -= swa_pages * ps * per_token
-    num_pages = cfg.kv_pool.num_pages
-    if num_pages is None:
-        num_pages = max(2, budget // (KVPool.bytes_per_token(full_layers, heads, dim, dtype) * ps))
-    kv = KVPool(full_layers, num_pages, ps, heads, dim, dtype, device, fence)
-    if swa_layers:
-        assert window is not None
-        kv.swa = SWAKVPool(
-            swa_layers, swa_pages, ps, heads, dim, kv.num_slots, window, dtype, device, fence
-        )
-    return kv
 
 
 def build_graphs(
