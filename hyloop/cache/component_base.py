@@ -6,8 +6,10 @@ insert splits and fills its data, what it adds to results and receipts, and how 
 evicted and freed. A node that keeps no data for a component holds a tombstone there
 (``value is None``), which the core skips.
 
-The core calls the hooks of ``CacheComponent``; a component calls back only the
-``ComponentHost`` surface of the core, never its private state.
+The core calls the hooks of ``CacheComponent``, and of marks that keep no component data
+(``TreeHook``: which nodes a match may walk into and an insert may join, what an insert marks;
+e.g. ``position_independent.exactness``); a component calls back only the ``ComponentHost``
+surface of the core, never its private state.
 """
 
 from __future__ import annotations
