@@ -12,7 +12,7 @@ land on every kind alike; each kind's best wave is reported):
   generating as many tokens as it did in the json wave before it (the same batch shape).
 
 Decode tok/s is tokens of decode steps over time in decode steps (the engine's counters). A batch
-with no control runs an artifact captured without the controls' ops (``ArtifactKey.controls``),
+with no control runs an artifact captured without the controls' ops (``ArtifactKey.features``),
 so plain requests pay nothing for them; the table lists the artifacts each kind ran.
 
     python bench/generation_controls.py [--quick] [--json PATH] [--model GGUF]
@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from common import cpu_name, write_json  # noqa: E402
 
 from hyloop import LLM, SamplingParams  # noqa: E402
+from hyloop.graphs.capture import ArtifactKey  # noqa: E402
 
 TEXT = (
     "Write a short record for a library catalogue. The book is a history of the printing press "
@@ -144,7 +145,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "kinds": {k: {kk: vv for kk, vv in v.items() if kk != "texts"} for k, v in best.items()},
         "json_valid": f"{parsed}/{args.batch}",
         "json_texts": best["json"]["texts"],
-        "captured": captured,  # (batch, kv_len, top_cap, num_logprobs, controls)
+        "captured": captured,  # (batch, kv_len, top_cap, num_logprobs, features)
         "controls_vs_plain": best["controls"]["decode_tok_s"] / best["plain"]["decode_tok_s"],
         "json_vs_free": best["json"]["decode_tok_s"] / best["json_free"]["decode_tok_s"],
     }
@@ -179,9 +180,8 @@ def main() -> None:
         f"json / unconstrained: {r['json_vs_free']:.2f}x (goal >= 0.8); "
         f"valid JSON {r['json_valid']}"
     )
-    for name, bit in (("without controls", 0), ("with controls", 1), ("with masks", 2)):
-        keys = sorted({tuple(k[:4]) for k in r["captured"] if (k[4] & bit if bit else not k[4])})
-        print(f"artifacts {name}: {keys}")
+    for key in sorted(r["captured"]):
+        print(f"artifact {ArtifactKey(*key).label()}")
     write_json(r, args.json)
 
 

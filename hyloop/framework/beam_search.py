@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
+from hyloop.framework.features.base import is_integer, is_number
 from hyloop.framework.outputs import Logprob, RequestOutput
 from hyloop.framework.prompts import as_batch, cache_salt
 from hyloop.framework.sampling_params import NotSupportedError, RequestOutputKind, SamplingParams
@@ -56,7 +57,7 @@ class BeamSearchParams:
         def bad(name: str, value: object, expected: str) -> ValueError:
             return ValueError(f"{where}.{name}: got {value!r}; expected {expected}")
 
-        if not _is_int(self.beam_width) or self.beam_width < 1:
+        if not is_integer(self.beam_width) or self.beam_width < 1:
             raise bad("beam_width", self.beam_width, "an int >= 1")
         if max_logprobs is not None and 2 * self.beam_width > max_logprobs:
             raise bad(
@@ -65,11 +66,11 @@ class BeamSearchParams:
                 f"at most {max_logprobs // 2} (each step asks for 2 * beam_width logprobs, "
                 f"and model.max_logprobs={max_logprobs})",
             )
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_integer(self.max_tokens) or self.max_tokens < 1:
             raise bad("max_tokens", self.max_tokens, "an int >= 1")
-        if not _is_number(self.temperature) or not self.temperature >= 0.0:
+        if not is_number(self.temperature) or not self.temperature >= 0.0:
             raise bad("temperature", self.temperature, "a float >= 0")
-        if not _is_number(self.length_penalty) or not math.isfinite(self.length_penalty):
+        if not is_number(self.length_penalty) or not math.isfinite(self.length_penalty):
             raise bad("length_penalty", self.length_penalty, "a finite float")
         for flag in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, flag), bool):
@@ -198,7 +199,7 @@ class BeamSearch:
                 "list of token ids, a TextPrompt / TokensPrompt dict, or a list of these"
             )
         limit = concurrency_limit
-        if limit is not None and (not _is_int(limit) or limit < 1):
+        if limit is not None and (not is_integer(limit) or limit < 1):
             raise ValueError(
                 f"beam_search(): concurrency_limit: got {limit!r}; expected None or an int >= 1"
             )
@@ -293,11 +294,3 @@ class BeamSearch:
         for beam in best:
             beam.text = tok.decode(beam.tokens) if tok is not None else None
         return BeamSearchOutput(sequences=best)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from hyloop.framework.stop_strings import find_stop, held_back, stop_list
+from hyloop.framework.features.stop_strings import find_stop, held_back, stop_list
 
 if TYPE_CHECKING:
     from hyloop.framework.requests import Request

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 from hyloop.cache.lease import RequestCache
 from hyloop.framework.config import EngineConfig
-from hyloop.framework.controls import RequestControls
 from hyloop.framework.engine_args import EngineArgs, EngineConfigs
 from hyloop.framework.engine_stats import check_engine, engine_stats
 from hyloop.framework.faults import ENGINE_FAULTS, stop_engine
+from hyloop.framework.features import RequestContext
 from hyloop.framework.loops import OverlapLoop, SyncLoop
 from hyloop.framework.outputs import RequestOutput
 from hyloop.framework.parallel import ParallelSamples, forks_of
@@ -67,7 +67,7 @@ class Engine(EngineConfigs):
         self.vocab_size = derived.vocab_size
         self.max_context = derived.max_context
         self.eos_ids: frozenset[int] = frozenset(derived.eos_token_ids)
-        self._controls = RequestControls(tokenizer, self.vocab_size, self.eos_ids)
+        self._context = RequestContext(tokenizer, self.vocab_size, self.eos_ids)
         self._rng = random.Random(cfg.seed)
         self._sync = SyncLoop(pipeline, recorder)
         self._overlap: OverlapLoop | None = None
@@ -204,7 +204,7 @@ class Engine(EngineConfigs):
             self.eos_ids,
             capture_logits=self.pipeline.capture_logits,
         )
-        self._controls.attach(req, where)
+        self.kind.attach(req, self._context, where)
         return req
 
     def get_num_unfinished_requests(self) -> int:
@@ -264,7 +264,7 @@ class Engine(EngineConfigs):
         self._idle = False
         sched = self.scheduler
         first = [*sched.running, *sched.waiting][: sched.max_running]  # its first decode batch
-        self.graphs.job_start(sched.outlook(), self.kind.mode(r.params for r in first))
+        self.graphs.job_start(sched.outlook(), self.kind.mode(first))
         self.recorder.note_captures()  # captured before any step began
 
     @property

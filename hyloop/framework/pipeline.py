@@ -107,8 +107,8 @@ class StepPipeline:
         in_batch = {id(c.req) for c in after.chunks}
         if any(id(r) not in in_batch for r in sched.running):
             return None
-        if self.device.type == "cuda" and any(r.grammar is not None for r in sched.running):
-            return None  # a CUDA graph cannot wait for its masks (``token_masks``): drain
+        if self.device.type == "cuda" and self.kind.host_fed(sched.running):
+            return None  # a CUDA graph cannot wait for rows the host still writes: drain
         rows: list[int] = []
         chunks: list[Chunk] = []
         for i, c in enumerate(after.chunks):
@@ -142,8 +142,7 @@ class StepPipeline:
             if step.source_rows is not None:
                 source = source.index_select(0, step.source_rows)
             step.step.input_ids = source.view(step.step.input_ids.shape)
-            if step.step.masked and self.device.type != "cuda":
-                self.kind.mask_gate.arm()  # released once ``after`` is resolved
+            self.kind.run_ahead(step.step)  # its features settle once ``after`` is resolved
         rec = self.recorder
         step.timing = timing = rec.launched(step.batch)
         out = step.output = self.graphs.run(step.step, on_staged)
@@ -164,7 +163,7 @@ class StepPipeline:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._unresolved.pop(step.gen, None)
-        self.kind.mask_gate.release()
+        self.kind.settle()
         self.scheduler.abandon(step.batch)
         self.fence.retire(self.fence.issued)
 
@@ -182,14 +181,14 @@ class StepPipeline:
         self.fence.retire(step.gen)
         del self._unresolved[step.gen]
         assert step.output is not None and ids is not None
-        try:  # first the masks a launched step may be waiting for (``token_masks``)
+        try:  # first the features' rows a step launched ahead may be waiting for
             for i, c in enumerate(step.batch.chunks):
                 try:
-                    self.kind.advance_grammar(step.batch, i, ids[i])
+                    self.kind.advance(step.batch, i, ids[i])
                 except Exception as e:
                     self.scheduler.fail(c.req, e)
         finally:
-            self.kind.mask_gate.release()
+            self.kind.settle()
         return self.scheduler.resolve(step.batch, step.output, ids, rows)
 
     # -- checks ---------------------------------------------------------------------------------

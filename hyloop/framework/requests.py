@@ -17,7 +17,6 @@ from hyloop.framework.detokenizer import IncrementalText, output_text
 from hyloop.framework.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from hyloop.framework.prompts import cache_salt, split_prompt
 from hyloop.framework.sampling_params import RequestOutputKind, SamplingParams
-from hyloop.framework.stop_strings import check_stop_request
 from hyloop.graphs.ops import row_keys
 
 # Batch and Chunk live in ``batches``; importers find them here too.
@@ -53,8 +52,8 @@ class Request:
     logits: list[torch.Tensor] | None = None  # debug capture (engine.capture_logits)
     finish_reason: str | None = None
     error: str | None = None  # finish reason ``error``: what failed (``framework.faults``)
-    controls: Any = None  # its logits controls as step-table rows (``controls.Controls``)
-    grammar: Any = None  # structured outputs: its ``structured.GrammarMatcher``
+    # what each feature it uses keeps of it, by the feature's name (``framework.features``)
+    features: dict[str, Any] = field(default_factory=dict)
     lease: Lease | None = None  # what it holds of the pools and the tree while it runs
     num_computed: int = 0  # positions whose KV is written
     num_sampled: int = 0  # tokens launched for sampling (ahead of output_ids under lookahead)
@@ -261,7 +260,6 @@ def new_request(
             params.truncate_prompt_tokens,
         )
     max_new = output_budget(request_id, params, len(ids), d.max_context, kv)
-    check_stop_request(f"request {request_id!r}", params, tokenizer is not None and rows is None)
     user_stops = set(params.stop_token_ids or [])
     stop = user_stops if params.ignore_eos else user_stops | eos_ids
     # vLLM's stop_reason: the id that stopped it, None for the tokenizer's own EOS

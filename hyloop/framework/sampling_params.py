@@ -10,6 +10,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from hyloop.framework.features import FEATURES
+from hyloop.framework.features.base import (
+    FLOAT32_MAX,
+    INT32_MAX,
+    bad,
+    is_float32,
+    is_integer,
+    is_number,
+)
+
 
 class RequestOutputKind(enum.IntEnum):
     """What ``Engine.step()`` returns of a running request: its whole output so far
@@ -23,10 +33,6 @@ class RequestOutputKind(enum.IntEnum):
 
 _KIND_NAMES = {k.name.lower(): k for k in RequestOutputKind}
 SAMPLING_EPS = 1e-5  # a temperature below this is greedy (vLLM's rule)
-# Per-request values reach the step as float32 / int32 tensors: a value past these would not
-# convert, so it is refused by name here, never as a failed tensor copy later.
-FLOAT32_MAX = 3.4028234663852886e38
-INT32_MAX = 2**31 - 1
 MAX_N = 1000  # samples per request
 # Fields a request may carry whose control hyloop does not run: each one names itself when
 # set away from this (vLLM's) neutral value. (Per-request Python logits processors would put
@@ -163,9 +169,6 @@ class SamplingParams:
         return copy.deepcopy(self)
 
     def validate(self, where: str = "sampling_params", max_logprobs: int | None = None) -> None:
-        def bad(name: str, value: object, expected: str) -> ValueError:
-            return ValueError(f"{where}.{name}: got {value!r}; expected {expected}")
-
         for name, neutral in NOT_YET.items():
             value = getattr(self, name)
             if value == neutral:
@@ -173,72 +176,55 @@ class SamplingParams:
             raise NotSupportedError(
                 f"{where}.{name}={value!r}: not supported by hyloop yet (leave it at {neutral!r})"
             )
-        if self.max_tokens is not None and (not _integer(self.max_tokens) or self.max_tokens < 1):
-            raise bad("max_tokens", self.max_tokens, "None or an int >= 1")
-        if not _integer(self.n) or not 1 <= self.n <= MAX_N:
-            raise bad("n", self.n, f"an int in [1, {MAX_N}]")
-        if self.best_of is not None and (not _integer(self.best_of) or self.best_of < self.n):
-            raise bad("best_of", self.best_of, f"None or an int >= n ({self.n})")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not _number(value) or not -2.0 <= value <= 2.0:
-                raise bad(name, value, "a float in [-2, 2]")
-        rep = self.repetition_penalty
-        if not _float32(rep) or not rep > 0.0:
-            raise bad("repetition_penalty", rep, f"a float in (0, {FLOAT32_MAX:.4g}]")
+        if self.max_tokens is not None and (not is_integer(self.max_tokens) or self.max_tokens < 1):
+            raise bad(where, "max_tokens", self.max_tokens, "None or an int >= 1")
+        if not is_integer(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad(where, "n", self.n, f"an int in [1, {MAX_N}]")
+        if self.best_of is not None and (not is_integer(self.best_of) or self.best_of < self.n):
+            raise bad(where, "best_of", self.best_of, f"None or an int >= n ({self.n})")
         temp = self.temperature
-        if not (_float32(temp) or temp == float("inf")) or not temp >= 0.0:
-            raise bad("temperature", temp, f"a float in [0, {FLOAT32_MAX:.4g}] or inf (uniform)")
-        if not _number(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", self.top_p, "a float in (0, 1]")
-        if not _integer(self.top_k) or self.top_k < -1:
-            raise bad("top_k", self.top_k, "0 or -1 (disabled) or an int >= 1")
-        if self.seed is not None and not _integer(self.seed):
-            raise bad("seed", self.seed, "an int or None")
-        if not _integer(self.min_tokens) or not 0 <= self.min_tokens <= INT32_MAX:
-            raise bad("min_tokens", self.min_tokens, f"an int in [0, {INT32_MAX}]")
-        if isinstance(self.logit_bias, dict):
-            for tok, value in self.logit_bias.items():
-                if _number(value) and not (_float32(value) or value == float("-inf")):
-                    expected = f"a float in [-{FLOAT32_MAX:.4g}, {FLOAT32_MAX:.4g}] or -inf"
-                    raise bad(f"logit_bias[{tok!r}]", value, expected)
+        if not (is_float32(temp) or temp == float("inf")) or not temp >= 0.0:
+            raise bad(
+                where, "temperature", temp, f"a float in [0, {FLOAT32_MAX:.4g}] or inf (uniform)"
+            )
+        if not is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise bad(where, "top_p", self.top_p, "a float in (0, 1]")
+        if not is_integer(self.top_k) or self.top_k < -1:
+            raise bad(where, "top_k", self.top_k, "0 or -1 (disabled) or an int >= 1")
+        if self.seed is not None and not is_integer(self.seed):
+            raise bad(where, "seed", self.seed, "an int or None")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not _integer(value) or value < 0):
-                raise bad(name, value, "None or an int >= 0")
+            if value is not None and (not is_integer(value) or value < 0):
+                raise bad(where, name, value, "None or an int >= 0")
             if value is not None and max_logprobs is not None and value > max_logprobs:
-                raise bad(name, value, f"at most model.max_logprobs={max_logprobs}")
+                raise bad(where, name, value, f"at most model.max_logprobs={max_logprobs}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad(
+                where,
                 "output_kind",
                 self.output_kind,
                 "a RequestOutputKind or 'cumulative', 'delta', 'final_only'",
             )
         tpt = self.truncate_prompt_tokens
-        if tpt is not None and (not _integer(tpt) or (tpt < 1 and tpt != -1)):
-            raise bad("truncate_prompt_tokens", tpt, "None, -1 or an int >= 1")
+        if tpt is not None and (not is_integer(tpt) or (tpt < 1 and tpt != -1)):
+            raise bad(where, "truncate_prompt_tokens", tpt, "None, -1 or an int >= 1")
         if self.frame is not None:
             if not isinstance(self.frame, FrameSamplingParams):
-                raise bad("frame", self.frame, "a FrameSamplingParams or None")
+                raise bad(where, "frame", self.frame, "a FrameSamplingParams or None")
             self.frame.validate(f"{where}.frame")
         for flag in ("ignore_eos", "detokenize", "skip_special_tokens"):
             if not isinstance(getattr(self, flag), bool):
-                raise bad(flag, getattr(self, flag), "a bool")
+                raise bad(where, flag, getattr(self, flag), "a bool")
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
-            raise bad("extra_args", self.extra_args, "a dict or None")
+            raise bad(where, "extra_args", self.extra_args, "a dict or None")
         if self.stop_token_ids is not None and (
             not isinstance(self.stop_token_ids, list | tuple)
-            or not all(_integer(t) for t in self.stop_token_ids)
+            or not all(is_integer(t) for t in self.stop_token_ids)
         ):
-            raise bad("stop_token_ids", self.stop_token_ids, "a list of ints")
-        # Each control's own checks live with it.
-        from hyloop.framework.controls import validate_controls
-        from hyloop.framework.stop_strings import validate_stop
-        from hyloop.framework.structured import validate_structured
-
-        validate_controls(self, where)
-        validate_stop(self, where)
-        validate_structured(self, where)
+            raise bad(where, "stop_token_ids", self.stop_token_ids, "a list of ints")
+        for feature in FEATURES:
+            feature.validate(self, where)
 
 
 SamplingParams.__struct_fields__ = tuple(f.name for f in dataclasses.fields(SamplingParams))
@@ -267,37 +253,17 @@ class FrameSamplingParams:
             temp, top_p, top_k = (
                 getattr(self, f"{group}_{f}") for f in ("temperature", "top_p", "top_k")
             )
-            if not (_float32(temp) or temp == float("inf")) or not temp >= 0.0:
-                raise ValueError(
-                    f"{where}.{group}_temperature: got {temp!r}; expected a float in "
-                    f"[0, {FLOAT32_MAX:.4g}] or inf (uniform)"
-                )
-            if not _number(top_p) or not 0.0 < top_p <= 1.0:
-                raise ValueError(f"{where}.{group}_top_p: got {top_p!r}; expected in (0, 1]")
-            if not _integer(top_k) or (top_k < 1 and top_k != -1) or top_k > INT32_MAX:
-                raise ValueError(
-                    f"{where}.{group}_top_k: got {top_k!r}; expected -1 (disabled) or an int in "
-                    f"[1, {INT32_MAX}]"
-                )
+            if not (is_float32(temp) or temp == float("inf")) or not temp >= 0.0:
+                expected = f"a float in [0, {FLOAT32_MAX:.4g}] or inf (uniform)"
+                raise bad(where, f"{group}_temperature", temp, expected)
+            if not is_number(top_p) or not 0.0 < top_p <= 1.0:
+                raise bad(where, f"{group}_top_p", top_p, "in (0, 1]")
+            if not is_integer(top_k) or (top_k < 1 and top_k != -1) or top_k > INT32_MAX:
+                expected = f"-1 (disabled) or an int in [1, {INT32_MAX}]"
+                raise bad(where, f"{group}_top_k", top_k, expected)
         penalty = self.audio_repetition_penalty
-        if not _float32(penalty) or not penalty > 0:
-            raise ValueError(
-                f"{where}.audio_repetition_penalty: got {penalty!r}; expected a float in "
-                f"(0, {FLOAT32_MAX:.4g}]"
-            )
-        window = self.repetition_window
-        if not _integer(window) or window < 1:
-            raise ValueError(f"{where}.repetition_window: got {window!r}; expected an int >= 1")
-
-
-def _number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _integer(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _float32(value: object) -> bool:
-    """A number that is neither NaN nor beyond float32's finite range."""
-    return _number(value) and abs(value) <= FLOAT32_MAX  # type: ignore[operator]
+        if not is_float32(penalty) or not penalty > 0:
+            expected = f"a float in (0, {FLOAT32_MAX:.4g}]"
+            raise bad(where, "audio_repetition_penalty", penalty, expected)
+        if not is_integer(self.repetition_window) or self.repetition_window < 1:
+            raise bad(where, "repetition_window", self.repetition_window, "an int >= 1")

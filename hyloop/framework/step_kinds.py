@@ -21,18 +21,24 @@ import torch
 from torch import nn
 
 from hyloop.cache.lease import Lease
-from hyloop.framework.controls import controlled
+from hyloop.framework.features import FEATURES, Feature, RequestContext, table_with
 from hyloop.framework.requests import Batch, Chunk, Request, Status
 from hyloop.framework.sampling_params import SamplingParams
-from hyloop.framework.token_sampling import TokenSampling, penalized
 from hyloop.graphs.capture import ArtifactKey
 from hyloop.graphs.ops import scatter_track_slots
-from hyloop.graphs.sampler import (
-    candidate_cap,
-    token_hashes,
-)
-from hyloop.graphs.step_batch import CONTROLS, GREEDY, MASKS, RequestTable, StepBatch, StepPools
-from hyloop.graphs.token_masks import MaskGate
+from hyloop.graphs.sampler import candidate_cap, token_hashes
+from hyloop.graphs.step_batch import GREEDY, RequestTable, StepBatch, StepPools, column
+
+
+@dataclasses.dataclass
+class TokenSampling(RequestTable):
+    """Per-request sampling of a token step; each feature adds its own columns
+    (``Feature.columns``). The padding row samples greedily."""
+
+    temperature: torch.Tensor = column(torch.float32, 0.0, lambda r: r.params.sampling_temperature)
+    top_k: torch.Tensor = column(torch.int64, -1, lambda r: r.params.filter_top_k)
+    top_p: torch.Tensor = column(torch.float32, 1.0, lambda r: r.params.filter_top_p)
+    seed: torch.Tensor = column(torch.int64, 0, lambda r: r.seed64)
 
 
 def forward_all(model: nn.Module, batch: StepBatch) -> torch.Tensor:
@@ -63,6 +69,8 @@ class StepKind:
     """What every step kind shares: building ``StepBatch`` rows from a batch's chunks."""
 
     table: ClassVar[type[RequestTable]] = TokenSampling
+    # The per-request features its step applies (``framework.features``), in order.
+    feature_types: ClassVar[list[type[Feature]]] = FEATURES
     # Inductor options a compiled step of this kind takes on CPU unless the config sets them.
     cpu_compile_options: ClassVar[dict[str, Any]] = {}
 
@@ -82,17 +90,17 @@ class StepKind:
         self.max_context = max_context
         self.kernels = kernels  # the model's CPU kernels (``CpuKernels``), or None
         rows = pools.req_to_token.shape[0]
-        words = (vocab_size + 31) // 32  # of a structured-output token bitmask
-        requests = self.table.allocate(
-            rows, self.device, vocab=vocab_size, mask_words=words, **dims
-        )
+        self.features = [f(vocab_size, self.device) for f in self.feature_types]
+        for f in self.features:
+            dims.update(f.dims())
+        table = table_with(self.table, list(self.feature_types))
+        requests = table.allocate(rows, self.device, vocab=vocab_size, **dims)
         self.pools = dataclasses.replace(pools, requests=requests)
         self.captured_pools = dataclasses.replace(self.pools, compute=captured_compute)
         self.tok_hash = token_hashes(vocab_size, self.device)
-        ids = torch.arange(vocab_size, device=self.device)
-        self.mask_word, self.mask_bit = ids // 32, (ids % 32).to(torch.int32)
-        self.mask_gate = MaskGate()
         self.row_shape: tuple[int, ...] = ()
+        # a captured step applies every sharing feature once any applies: fewer artifacts
+        self.shared = sum(f.bit for f in self.features if f.shares_artifact)
 
     # -- what a batch samples with --------------------------------------------------------------
     def filter_group(self, params: SamplingParams) -> tuple[float, int, float]:
@@ -104,17 +112,31 @@ class StepKind:
         """Whether the request draws from noise at all (else it is greedy)."""
         return not params.greedy
 
-    def mode(self, params: Iterable[SamplingParams]) -> tuple[int, int, int]:
-        """``(top_cap, num_logprobs, controls)`` of a step over requests sampling with
-        ``params`` (``controls``: ``CONTROLS`` when some request has a penalty or a logits
-        control, | ``MASKS`` when some request has a grammar, | ``GREEDY`` when none samples)."""
-        params = list(params)
+    def mode(self, reqs: Iterable[Request], decode: bool = True) -> tuple[int, int, int]:
+        """``(top_cap, num_logprobs, features)`` of a step over ``reqs``: ``features`` has the
+        bit of each feature some request uses (of a ``decode`` step, every sharing one once
+        any is), and ``GREEDY`` when none samples."""
+        reqs = list(reqs)
+        params = [r.params for r in reqs]
         nlp = max((max(p.logprobs, 1) for p in params if p.logprobs is not None), default=0)
         cap = candidate_cap((self.filter_group(p) for p in params), self.vocab_size)
-        on = CONTROLS if any(penalized(p) or controlled(p) for p in params) else 0
-        masks = MASKS if any(p.structured_outputs is not None for p in params) else 0
-        greedy = 0 if any(self.samples(p) for p in params) else GREEDY
-        return cap, min(nlp, self.vocab_size), on | masks | greedy
+        used = {name for r in reqs for name in r.features}
+        bits = sum(f.bit for f in self.features if f.name in used)
+        if decode and bits & self.shared:
+            bits |= self.shared
+        bits |= 0 if any(self.samples(p) for p in params) else GREEDY
+        return cap, min(nlp, self.vocab_size), bits
+
+    def attach(self, req: Request, ctx: RequestContext, where: str) -> None:
+        """What each feature keeps of the new request ``req`` (``req.features``)."""
+        for f in self.features:
+            state = f.attach(req, ctx, where)
+            if state is not None:
+                req.features[f.name] = state
+
+    def host_fed(self, reqs: Iterable[Request]) -> bool:
+        """Some request uses a feature whose rows the host writes after each step."""
+        return any(f.host_fed and f.name in r.features for r in reqs for f in self.features)
 
     def prepare_capture(self, keys: Sequence[ArtifactKey]) -> None:
         """Before capturing ``keys``: nothing a token step must measure (the CPU kernels are a
@@ -133,29 +155,22 @@ class StepKind:
         chunks = batch.chunks
         for c in chunks:
             self.bind(c)
-        params = [c.req.params for c in chunks]
-        top_cap, nlp, _ = self.mode(params)
-        static = dict(
-            top_cap=top_cap,
-            num_logprobs=nlp,
-            keep_logits=keep_logits,
-            greedy_only=not any(self.samples(p) for p in params),
-            penalized=any(penalized(p) for p in params),
-            controlled=any(controlled(p) for p in params),
-            masked=any(c.req.grammar is not None for c in chunks),
-        )
+        top_cap, nlp, bits = self.mode((c.req for c in chunks), batch.is_decode)
+        static = dict(top_cap=top_cap, num_logprobs=nlp, keep_logits=keep_logits, features=bits)
         if batch.is_decode:
             return self._decode(chunks, batch.planned, **static)
         return self._prefill(chunks, **static)
 
     def bind(self, chunk: Chunk) -> None:
-        """``chunk``'s request takes its step-table row, if new to it (its values, and its first
-        token's structured-output mask): one request's part of ``build``."""
-        table = self.pools.requests
+        """``chunk``'s request takes its step-table row, if new to it (its values, then each
+        of its features' ``take``): one request's part of ``build``."""
+        table, req = self.pools.requests, chunk.req
         assert table is not None
         row = _lease(chunk).req_row
-        if table.take(row, chunk.req) and chunk.req.grammar is not None:
-            chunk.req.grammar.fill_bitmask(table.grammar, row)
+        if table.take(row, req):
+            for f in self.features:
+                if f.name in req.features:
+                    f.take(table, row, req.features[f.name])
 
     def _decode(self, chunks: list[Chunk], planned: bool, **static: Any) -> StepBatch:
         """Every per-row int goes to the device in one tensor; the new tokens' KV slots are
@@ -195,17 +210,28 @@ class StepKind:
             **static,
         )
 
-    def advance_grammar(self, batch: Batch, i: int, token: int) -> None:
-        """Row ``i``'s structured-output request of a resolved step takes its ``token``, and
-        its table row then holds the mask of its next sample."""
+    def advance(self, batch: Batch, i: int, token: int) -> None:
+        """Row ``i``'s request of a resolved step takes its ``token``: each of its features'
+        host ``advance`` (a structured output's next mask)."""
         req, c = batch.chunks[i].req, batch.chunks[i]
-        if req.grammar is None or req.status is not Status.RUNNING or req.lease is None:
+        if not req.features or req.status is not Status.RUNNING or req.lease is None:
             return  # none, or a step that rode along after it finished
         if batch.is_decode or c.completes_prompt:
             table = self.pools.requests
             assert table is not None
-            req.grammar.accept(token)
-            req.grammar.fill_bitmask(table.grammar, req.lease.req_row)
+            for f in self.features:
+                if f.name in req.features:
+                    f.advance(table, req.lease.req_row, req.features[f.name], token)
+
+    def run_ahead(self, batch: StepBatch) -> None:
+        """``batch`` is launched before the step it follows is resolved."""
+        for f in self.features:
+            f.run_ahead(batch)
+
+    def settle(self) -> None:
+        """The step launched ahead may read what the host writes: it is written."""
+        for f in self.features:
+            f.settle()
 
     def last_rows(self, chunks: list[Chunk]) -> torch.Tensor:
         """The rows a decode step of a multi-channel kind reads (a token kind reads ids)."""

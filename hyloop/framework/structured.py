@@ -1,7 +1,7 @@
 """Structured outputs with llguidance: a request's constraint as each step's token bitmask.
 
-The host side of the mask. ``validate_structured`` checks a request's ``structured_outputs``
-(its grammar compiled and checked once per text: an LRU); ``grammar_tokenizer`` gives
+The host side of the mask. ``compile_grammar`` checks a request's constraint (compiled once per
+text: an LRU); ``grammar_tokenizer`` gives
 llguidance hyloop's tokenizer; a ``GrammarMatcher`` per request writes the tokens allowed next
 into one row of an int32 bitmask ``[rows, ceil(vocab / 32)]`` (bit ``t`` of a row set: token
 ``t`` allowed; a row of -1 allows everything) and advances by each sampled token.
@@ -22,7 +22,7 @@ from llguidance.gbnf_to_lark import gbnf_to_lark
 from tokenizers import Tokenizer
 
 from hyloop.framework.sampling_params import NotSupportedError
-from hyloop.framework.structured_params import StructuredOutputsParams, as_structured
+from hyloop.framework.structured_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from hyloop.models.tokenizer import TextTokenizer
@@ -47,24 +47,6 @@ class _Invalid(Exception):
     def __init__(self, field: str, message: str, unsupported: bool = False) -> None:
         super().__init__(message)
         self.field, self.message, self.unsupported = field, message, unsupported
-
-
-def validate_structured(p: Any, where: str) -> None:
-    """Checks the structured-output fields of ``SamplingParams`` ``p`` and compiles the grammar
-    (cached), then stores the result as ``p.structured_outputs``: a dict becomes a
-    ``StructuredOutputsParams`` and the old name ``guided_decoding`` moves there."""
-    so, gd = p.structured_outputs, p.guided_decoding
-    if so is None and gd is None:
-        return
-    if so is not None and gd is not None:
-        raise ValueError(
-            f"{where}.guided_decoding: the old name of structured_outputs; set one, not both"
-        )
-    name = "structured_outputs" if so is not None else "guided_decoding"
-    params = as_structured(so if so is not None else gd, f"{where}.{name}")
-    compile_grammar(params, f"{where}.{name}")
-    # NOTE: the engine reads structured_outputs only; the alias is folded into it here.
-    p.structured_outputs, p.guided_decoding = params, None
 
 
 def compile_grammar(params: StructuredOutputsParams, where: str = "structured_outputs") -> str:

@@ -109,7 +109,6 @@ def sample(
     top_cap: int,
     greedy_only: bool = False,
     topk: TopK | None = None,
-    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Next token ids ``[B]`` (int64) from fp32 ``logits [B, V]``.
 
@@ -120,17 +119,12 @@ def sample(
     vocabulary), which hold its top-k.
     ``greedy_only`` (static) skips the noise when every row is greedy; the result is the same
     argmax either way. ``topk`` (the CPU kernel ``hyloop::topk_rows``, ties to the lower index)
-    takes a cap of at most ``NATIVE_TOPK_MAX`` candidates. ``min_p [B]`` (vLLM's, after the
-    temperature; 0: off) drops the tokens less likely than ``min_p`` times the likeliest.
+    takes a cap of at most ``NATIVE_TOPK_MAX`` candidates.
     """
     if greedy_only:
         return logits.argmax(dim=-1)
-    best, greedy = logits.max(dim=-1)  # ties to the lower index, as argmax
+    greedy = logits.max(dim=-1).indices  # ties to the lower index, as argmax
     temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-    if min_p is not None:
-        # p_i < min_p * p_max  <=>  logits_i < max(logits) + temperature * log(min_p)
-        floor = best + temp * min_p.log()  # -inf for min_p == 0
-        logits = logits.masked_fill(logits < floor[:, None], -torch.inf)
     scaled = logits / temp[:, None]
     # temperature inf samples uniformly: finite logits scale to 0, a masked -inf stays out
     # (-inf / inf is NaN).
@@ -162,26 +156,7 @@ def sample(
     return torch.where(temperature > 0, sampled, greedy)
 
 
-def apply_penalties(
-    logits: torch.Tensor,
-    counts: torch.Tensor,
-    prompt_seen: torch.Tensor,
-    repetition: torch.Tensor,
-    frequency: torch.Tensor,
-    presence: torch.Tensor,
-) -> torch.Tensor:
-    """vLLM's penalties over ``logits [B, V]``: ``repetition [B]`` divides a positive (multiplies
-    a negative) logit of a token seen in the prompt or the output; ``frequency [B]`` subtracts
-    ``frequency * count`` and ``presence [B]`` subtracts ``presence`` once for each token the
-    output holds (``counts [B, V]``, ``prompt_seen [B, V]`` bool). Neutral values (1, 0, 0)
-    leave a row's logits bit-exact."""
-    seen = counts > 0
-    logits = torch.where(seen | prompt_seen, _repeated(logits, repetition[:, None]), logits)
-    logits = logits - frequency[:, None] * counts
-    return logits - presence[:, None] * seen.to(logits.dtype)
-
-
-def _repeated(logits: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+def repeated(logits: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
     """The repetition penalty's rule: a positive logit is divided, a negative one multiplied."""
     return torch.where(logits > 0, logits / penalty, logits * penalty)
 
@@ -189,7 +164,7 @@ def _repeated(logits: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
 def window_repetition_penalty(
     logits: torch.Tensor, ids: torch.Tensor, penalty: torch.Tensor
 ) -> torch.Tensor:
-    """The repetition penalty (``apply_penalties``' rule) over the ids of a window
+    """The repetition penalty (``features.penalties``' rule) over the ids of a window
     ``ids [B, W]`` (-1: empty) rather than a ``[B, V]`` count: the W seen logits are gathered
     and scattered back penalised (a repeat writes the same value twice, empties land in a spare
     column), which is far cheaper in a compiled step than a presence mask per vocabulary when
@@ -198,7 +173,7 @@ def window_repetition_penalty(
     padded = torch.cat([logits, logits.new_zeros(b, 1)], dim=1)
     idx = torch.where((ids >= 0) & (ids < v), ids, v)
     seen = padded.gather(1, idx)
-    return padded.scatter(1, idx, _repeated(seen, penalty))[:, :v]
+    return padded.scatter(1, idx, repeated(seen, penalty))[:, :v]
 
 
 def token_logprobs(
@@ -211,26 +186,3 @@ def token_logprobs(
     rank = (lp > picked[..., None]).sum(dim=-1) + 1
     top_lp, top_ids = lp.topk(k, dim=-1)
     return picked, rank, top_lp, top_ids
-
-
-def apply_controls(
-    logits: torch.Tensor,
-    bias: torch.Tensor,
-    words: torch.Tensor,
-    recent: torch.Tensor,
-    min_stop: torch.Tensor,
-    below_min: torch.Tensor,
-) -> torch.Tensor:
-    """vLLM's token controls over ``logits [B, V]``, before the penalties: the additive
-    ``bias [B, V]`` (logit bias; -inf outside the allowed ids and on single-token bad words),
-    multi-token bad words ``words [B, W, P + 1]`` (a right-aligned prefix, ``-2`` matching any
-    token, and the token it bans) against each row's last ``P`` output tokens ``recent [B, P]``,
-    and ``min_stop [B, V]`` masked where ``below_min [B]`` (``min_tokens`` not reached). Neutral
-    rows (zero bias, no word, no ``min_stop``) keep their logits bit-exact."""
-    logits = logits + bias
-    prefix, last = words[..., :-1], words[..., -1]
-    matched = ((prefix == recent[:, None, :]) | (prefix == -2)).all(dim=-1) & (last >= 0)
-    hit = torch.zeros(logits.shape, dtype=torch.int32, device=logits.device)
-    hit = hit.scatter_reduce(1, last.clamp_min(0), matched.to(torch.int32), reduce="amax")
-    banned = (hit > 0) | (min_stop & below_min[:, None])
-    return logits.masked_fill(banned, -torch.inf)

@@ -2,12 +2,12 @@
 
 ``StepBatch`` is what one batched forward reads. Its row fields are device tensors, one row per
 request chunk over a padded ``[B, T]`` token layout (``T == 1`` in decode); its static values
-(``kv_len``, the sampling mode, ``is_decode``) are Python values a captured artifact is
-specialised on. Per-request values that do not change while a request runs (its sampling
-parameters, state the step itself updates) live in a ``RequestTable``: device tensors of one row
-per req->token row, written once when a request takes its row and read through ``req_rows``, so
-a captured step reads them like a pool and a per-request field is declared once, where its
-value comes from (``column``).
+(``kv_len``, the sampling mode with its ``features`` bits, ``is_decode``) are Python values a
+captured artifact is specialised on. Per-request values that do not change while a request
+runs (its sampling parameters, state the step itself updates) live in a ``RequestTable``:
+device tensors of one row per req->token row, written once when a request takes its row and
+read through ``req_rows``, so a captured step reads them like a pool and a per-request field
+is declared once, where its value comes from (``column``).
 
 ``CaptureBuffer`` is the fixed-address form a captured step reads: ``init(max_bs)``,
 ``view(bs, ...)`` (a ``StepBatch`` over the first rows) and ``copy_from(batch)`` (rows in
@@ -33,12 +33,16 @@ __all__ = [
     "StepPools",
     "column",
     "check_batch",
+    "feature_bit",
+    "feature_names",
     "row_fields",
 ]
 
-# The controls bits of a captured step's mode: the penalties and logits controls, the grammar
-# masks, and GREEDY (every row greedy: no Gumbel noise over the vocabulary at all).
-CONTROLS, MASKS, GREEDY = 1, 2, 4
+# A step's static ``features``: one bit per per-request feature it applies, named when the
+# feature registers (``feature_bit``), and GREEDY, the sampler's own: every row is greedy (no
+# Gumbel noise over the vocabulary at all).
+GREEDY = 1
+_BITS: dict[str, int] = {"greedy": GREEDY}
 _PADDING_ROW = -1  # stands for the pool's padding row (``CaptureBuffer.init``)
 
 
@@ -103,13 +107,9 @@ class StepBatch:
     top_cap: int = 0  # static: sampler candidates (``sampler.candidate_cap``)
     num_logprobs: int = 0  # static: top logprobs returned per row
     keep_logits: bool = False  # static: the output keeps the logits
-    greedy_only: bool = False  # static: every row is greedy (``GREEDY``)
-    # static: the penalties, the logits controls (``controls.py``) and the structured-output
-    # token masks; an eager step applies each when some row has one, a captured step all
-    # three or none (``mode``)
-    penalized: bool = False
-    controlled: bool = False
-    masked: bool = False
+    # static: the bits of the per-request features the step applies (``feature_bit``) and
+    # GREEDY; a neutral row's features leave its logits as they are
+    features: int = 0
     # eager prefill only: the rows that want prompt logprobs, the top ones kept per position,
     # and those rows' next prompt token at each position ``[len(prompt_rows), T]`` (-1: none)
     prompt_rows: tuple[int, ...] = ()
@@ -125,12 +125,12 @@ class StepBatch:
 
     @property
     def mode(self) -> tuple[int, int, int]:
-        """The sampling mode an artifact is specialised on besides its two sizes; its controls:
-        ``CONTROLS`` (the penalties and logits controls together) | ``MASKS`` (grammars) |
-        ``GREEDY`` (every row greedy)."""
-        on = CONTROLS if self.penalized or self.controlled else 0
-        on |= (MASKS if self.masked else 0) | (GREEDY if self.greedy_only else 0)
-        return (self.top_cap, self.num_logprobs, on)
+        """The sampling mode an artifact is specialised on besides its two sizes."""
+        return (self.top_cap, self.num_logprobs, self.features)
+
+    @property
+    def greedy_only(self) -> bool:
+        return bool(self.features & GREEDY)
 
     @property
     def seq_lens(self) -> torch.Tensor:
@@ -157,6 +157,21 @@ def row_fields() -> tuple[dataclasses.Field[Any], ...]:
 
 
 _ROW_FIELDS = tuple(f for f in dataclasses.fields(StepBatch) if "pad" in f.metadata)
+
+
+def feature_bit(name: str, flag: str | None = None) -> int:
+    """The ``features`` bit of the feature ``name`` (a new name takes the next free bit);
+    ``flag``: a read-only ``StepBatch`` property that says whether a step applies it."""
+    if name not in _BITS:
+        _BITS[name] = bit = 1 << len(_BITS)
+        if flag is not None:
+            setattr(StepBatch, flag, property(lambda b: bool(b.features & bit)))
+    return _BITS[name]
+
+
+def feature_names(bits: int) -> list[str]:
+    """The names of the bits set in ``bits``, lowest first."""
+    return [name for name, bit in _BITS.items() if bits & bit]
 
 
 @dataclass
@@ -229,29 +244,21 @@ class CaptureBuffer:
         return self.full.batch_size
 
     def view(
-        self, bs: int, kv_len: int, top_cap: int = 0, num_logprobs: int = 0, controls: int = 0
+        self, bs: int, kv_len: int, top_cap: int = 0, num_logprobs: int = 0, features: int = 0
     ) -> StepBatch:
-        """The first ``bs`` rows (shared storage) with these static values; ``controls``: the
-        per-request controls applied, ``CONTROLS`` | ``MASKS`` (a neutral row's are no-ops),
-        and ``GREEDY`` (the step samples no noise; padding rows are greedy)."""
+        """The first ``bs`` rows (shared storage) with these static values; ``features``: the
+        bits of the features applied (a neutral row's are no-ops; padding rows are greedy)."""
         if not 1 <= bs <= self.max_bs:
             raise ValueError(f"CaptureBuffer.view: bs {bs}, expected 1..{self.max_bs}")
         rows = {f.name: getattr(self.full, f.name)[:bs] for f in row_fields()}
-        on = bool(controls & CONTROLS)
-        flags = dict(
-            penalized=on,
-            controlled=on,
-            masked=bool(controls & MASKS),
-            greedy_only=bool(controls & GREEDY),
-        )
         return dataclasses.replace(
             self.full,
             **rows,
             kv_len=kv_len,
             top_cap=top_cap,
             num_logprobs=num_logprobs,
+            features=features,
             meta={},
-            **flags,
         )
 
     @staticmethod
@@ -267,7 +274,7 @@ class CaptureBuffer:
             )
         if batch.mode != view.mode:
             raise ValueError(
-                f"CaptureBuffer.copy_from: mode (top_cap, num_logprobs, controls) {batch.mode}, "
+                f"CaptureBuffer.copy_from: mode (top_cap, num_logprobs, features) {batch.mode}, "
                 f"expected {view.mode}"
             )
         for f in row_fields():

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hyloop.framework.chat import check_messages
+from hyloop.framework.features.base import is_integer
 from hyloop.framework.sampling_params import NotSupportedError, SamplingParams
 from hyloop.recipes.job import check_strings
 from hyloop.recipes.openai_constraints import GUIDED, structured_outputs
@@ -198,7 +199,7 @@ def sampling_fields(where: str, url: str, body: dict[str, Any]) -> dict[str, Any
     names = ("max_completion_tokens", "max_tokens") if url == CHAT else ("max_tokens",)
     given = {k: body[k] for k in names if body.get(k) is not None}
     for key, value in given.items():
-        if not _integer(value) or value < 1:
+        if not is_integer(value) or value < 1:
             raise RowError(f"{where}: body.{key}: got {_short(value)}; expected an int >= 1")
     if len(set(given.values())) > 1:
         raise RowError(f"{where}: body: max_completion_tokens and max_tokens differ; give one")
@@ -209,14 +210,14 @@ def sampling_fields(where: str, url: str, body: dict[str, Any]) -> dict[str, Any
         top = body.get("top_logprobs")
         if logprobs is not None and not isinstance(logprobs, bool):
             raise RowError(f"{where}: body.logprobs: got {_short(logprobs)}; expected a bool")
-        if top is not None and (not _integer(top) or not 0 <= top <= MAX_LOGPROBS):
+        if top is not None and (not is_integer(top) or not 0 <= top <= MAX_LOGPROBS):
             raise RowError(f"{where}: body.top_logprobs: got {_short(top)}; {_IN_RANGE}")
         if top and not logprobs:
             raise RowError(f"{where}: body.top_logprobs needs body.logprobs: true")
         if logprobs:
             out["logprobs"] = top or 0
     else:
-        if logprobs is not None and (not _integer(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
+        if logprobs is not None and (not is_integer(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
             raise RowError(f"{where}: body.logprobs: got {_short(logprobs)}; {_IN_RANGE}")
         if logprobs is not None:
             out["logprobs"] = logprobs
@@ -262,7 +263,7 @@ def _chat_kwargs(where: str, body: dict[str, Any]) -> dict[str, Any]:
 
 def completion_prompt(where: str, prompt: Any) -> str | list[int]:
     """A completion's one prompt: a string, token ids, or a list holding one of those."""
-    if isinstance(prompt, list) and len(prompt) == 1 and not _integer(prompt[0]):
+    if isinstance(prompt, list) and len(prompt) == 1 and not is_integer(prompt[0]):
         prompt = prompt[0]
     elif (
         isinstance(prompt, list)
@@ -293,9 +294,5 @@ def _encodable(value: object) -> bool:
     return True
 
 
-def _integer(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _token_ids(value: object) -> bool:
-    return isinstance(value, list) and bool(value) and all(_integer(t) for t in value)
+    return isinstance(value, list) and bool(value) and all(is_integer(t) for t in value)

@@ -129,14 +129,14 @@ def inject(engine: Engine, where: str, monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(engine.kind, "bind", bind)
     else:  # the grammar advance of the resolve side, after its 2nd token
         check = raise_for_target(2)
-        real_grammar = engine.kind.advance_grammar
+        real_advance = engine.kind.advance
 
-        def advance_grammar(batch: Any, i: int, token: int) -> None:
+        def advance(batch: Any, i: int, token: int) -> None:
             if batch.is_decode or batch.chunks[i].completes_prompt:
                 check(batch.chunks[i].req)
-            real_grammar(batch, i, token)
+            real_advance(batch, i, token)
 
-        monkeypatch.setattr(engine.kind, "advance_grammar", advance_grammar)
+        monkeypatch.setattr(engine.kind, "advance", advance)
 
 
 @pytest.mark.parametrize("lookahead", [False, True])

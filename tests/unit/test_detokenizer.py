@@ -15,8 +15,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models
 
 from hyloop import SamplingParams
 from hyloop.framework.detokenizer import IncrementalText, stop_string_hit
+from hyloop.framework.features.stop_strings import check_stop_request, find_stop, held_back
 from hyloop.framework.requests import Request, Status, request_output
-from hyloop.framework.stop_strings import check_stop_request, find_stop, held_back
 from hyloop.models.tokenizer import TextTokenizer
 
 

@@ -153,7 +153,7 @@ class BucketRunner:
             return artifact
         start = time.perf_counter()
         log.info("%s: capturing %s with %s", self.name, key.label(), self.backend)
-        view = self.buffer.view(key.batch, key.kv_len, key.top_cap, key.num_logprobs, key.controls)
+        view = self.buffer.view(key.batch, key.kv_len, key.top_cap, key.num_logprobs, key.features)
         # NOTE: warm-up and capture run on all-padding rows, which write only the padding sinks.
         CaptureBuffer.fill_padding(view)
         with torch.inference_mode():

@@ -1,9 +1,9 @@
 """Bucket lists and the key of one captured artifact.
 
 A captured step is specialised on its batch size, on the number of req->token columns attention
-reads (``kv_len``) and on the sampling mode flags. Batch sizes and ``kv_len`` are rounded up to
-configured buckets, so a handful of artifacts serve every step and a short context does not
-attend over the whole ``max_context``.
+reads (``kv_len``) and on the sampling mode (with its ``features`` bits). Batch sizes and
+``kv_len`` are rounded up to configured buckets, so a handful of artifacts serve every step and
+a short context does not attend over the whole ``max_context``.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from hyloop.graphs.step_batch import feature_names
 
 __all__ = ["ArtifactKey", "kv_len_buckets", "normalize_buckets", "pick_bucket", "usable_buckets"]
 
@@ -23,14 +25,11 @@ class ArtifactKey:
     kv_len: int  # req->token columns attention reads (a kv_len bucket)
     top_cap: int = 0  # sampler candidates (0: unfiltered; ``sampler.candidate_cap``)
     num_logprobs: int = 0  # top logprobs returned per row
-    # the per-request controls: CONTROLS (penalties and logits controls) | MASKS (grammars) |
-    # GREEDY (no row samples)
-    controls: int = 0
+    features: int = 0  # the bits of the features applied (``step_batch.feature_bit``)
 
     def label(self) -> str:
         mode = f", top_cap={self.top_cap}, num_logprobs={self.num_logprobs}"
-        mode += f", controls={self.controls & 3}" if self.controls & 3 else ""
-        mode += ", greedy" if self.controls & 4 else ""
+        mode += f", {'+'.join(feature_names(self.features))}" if self.features else ""
         return f"bucket(batch={self.batch}, kv_len={self.kv_len}{mode})"
 
 

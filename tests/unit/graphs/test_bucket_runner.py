@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import load_hf_model
 
-from hyloop.framework.token_sampling import TokenSampling
+from hyloop.framework.step_kinds import TokenSampling
 from hyloop.framework.token_step import TokenStep
 from hyloop.graphs.capture.backends import GUARD_EVERY, CompiledStep, RecompileError
 from hyloop.graphs.capture.bucket_runner import BucketRunner
@@ -22,6 +22,7 @@ from hyloop.graphs.capture.buckets import ArtifactKey, kv_len_buckets, pick_buck
 from hyloop.graphs.safety import check_capture_safe
 from hyloop.graphs.sampler import sample, token_hashes
 from hyloop.graphs.step_batch import (
+    GREEDY,
     CaptureBuffer,
     StepBatch,
     StepOutput,
@@ -197,9 +198,9 @@ def test_views_refuse_what_they_were_not_built_for(pools: ToyPools) -> None:
         CaptureBuffer.copy_from(view, make_inputs(pools, 2, 9, seed=1))
     with pytest.raises(ValueError, match=r"mode .* \(8, 0, 0\), expected \(0, 0, 0\)"):
         CaptureBuffer.copy_from(view, make_inputs(pools, 2, 8, seed=1, filtered=True))
-    controlled = dataclasses.replace(make_inputs(pools, 2, 8, seed=1), controlled=True)
+    greedy = dataclasses.replace(make_inputs(pools, 2, 8, seed=1), features=GREEDY)
     with pytest.raises(ValueError, match=r"mode .* \(0, 0, 1\), expected \(0, 0, 0\)"):
-        CaptureBuffer.copy_from(view, controlled)
+        CaptureBuffer.copy_from(view, greedy)
 
 
 def test_step_batch_check_names_the_field(pools: ToyPools) -> None:

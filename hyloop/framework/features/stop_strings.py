@@ -15,25 +15,41 @@ never shown before the text after it proves it is not one.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from hyloop.framework.features.base import Feature, RequestContext
+
+if TYPE_CHECKING:
+    from hyloop.framework.requests import Request
+    from hyloop.framework.sampling_params import SamplingParams
 
 
-def validate_stop(p: Any, where: str) -> None:
-    """The stop-string fields of ``SamplingParams`` ``p``."""
-    stop = p.stop
-    strings = isinstance(stop, list | tuple) and all(isinstance(s, str) for s in stop)
-    if stop is not None and not isinstance(stop, str) and not strings:
-        raise ValueError(f"{where}.stop: got {stop!r}; expected a str, a list of str or None")
-    if isinstance(stop, str | list | tuple) and any(s == "" for s in _strings(stop)):
-        raise ValueError(f"{where}.stop: got {stop!r}; expected non-empty strings")
-    for flag in ("include_stop_str_in_output", "spaces_between_special_tokens"):
-        if not isinstance(getattr(p, flag), bool):
-            raise ValueError(f"{where}.{flag}: got {getattr(p, flag)!r}; expected a bool")
-    if stop and not p.detokenize:
-        raise ValueError(
-            f"{where}.stop: got {stop!r} with detokenize=False; stop strings are matched on the "
-            "output text, so they need detokenize=True"
-        )
+class StopStrings(Feature):
+    """A host-only feature: the step never sees it; ``detokenizer.stop_string_hit`` matches."""
+
+    name = "stop_strings"
+    in_step = False
+
+    @classmethod
+    def validate(cls, p: SamplingParams, where: str) -> None:
+        stop = p.stop
+        strings = isinstance(stop, list | tuple) and all(isinstance(s, str) for s in stop)
+        if stop is not None and not isinstance(stop, str) and not strings:
+            raise ValueError(f"{where}.stop: got {stop!r}; expected a str, a list of str or None")
+        if isinstance(stop, str | list | tuple) and any(s == "" for s in _strings(stop)):
+            raise ValueError(f"{where}.stop: got {stop!r}; expected non-empty strings")
+        for flag in ("include_stop_str_in_output", "spaces_between_special_tokens"):
+            if not isinstance(getattr(p, flag), bool):
+                raise ValueError(f"{where}.{flag}: got {getattr(p, flag)!r}; expected a bool")
+        if stop and not p.detokenize:
+            raise ValueError(
+                f"{where}.stop: got {stop!r} with detokenize=False; stop strings are matched on "
+                "the output text, so they need detokenize=True"
+            )
+
+    def attach(self, req: Request, ctx: RequestContext, where: str) -> Any:
+        check_stop_request(where, req.params, ctx.tokenizer is not None and req.prompt_rows is None)
+        return stop_list(req.params) or None
 
 
 def check_stop_request(where: str, p: Any, has_text: bool) -> None:
