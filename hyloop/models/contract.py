@@ -5,15 +5,18 @@ sizes the KV pools from ``kv_windows`` (per attention layer, in order, its slidi
 one place a model's window size is held; the layers' KV views are placed from it,
 ``models.kv_layout``), the recurrent pool from ``recurrent``, the sampler from ``vocab_size``;
 the TTS front end and the frame step read ``rows``; ``rope`` says how cached keys could move
-(position-independent reuse) and ``selective_recompute`` whether its forward can recompute
-part of reused KV (``models.blend``). Nothing downstream probes a model for attributes.
+(position-independent reuse), ``selective_recompute`` whether its forward can recompute
+part of reused KV (``models.blend``) and ``stack`` what a one-operator decoder stack needs of it
+(``models.cpu.decoder_stack``; None: its layers run one by one). Nothing downstream probes a
+model for attributes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from hyloop.models.kv_layout import KVView
@@ -44,6 +47,39 @@ class RowLayout:
 
 
 @dataclass(frozen=True)
+class StackLayer:
+    """One decoder layer as a decoder stack reads it: its four projections (whatever module
+    holds each weight now: packed, quantized or plain), its norm weights (input, post-attention,
+    then the per-head q and k norms where the model has them) and its KV pool layer."""
+
+    qkv: nn.Module
+    o: nn.Module
+    gate_up: nn.Module
+    down: nn.Module
+    norms: tuple[torch.Tensor, ...]
+    kv_layer: int
+
+
+@dataclass(frozen=True)
+class DecoderStackSpec:
+    """A dense pre-norm decoder (RMSNorm, RoPE, GQA attention, gated SiLU MLP, residuals) as one
+    decoder stack runs it; ``layers`` is read when the stack is built (after packing)."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    scale: float  # attention's softmax scale
+    rotary_dim: int
+    mlp_bias: bool
+    rotary: nn.Module  # its cos / sin tables
+    embed: nn.Module  # the token embedding: the dtype and device the layers run in
+    layers: Callable[[], list[StackLayer]]
+
+
+@dataclass(frozen=True)
 class ModelContract:
     kv_windows: tuple[int | None, ...]  # per attention layer: its sliding window, or None
     kv_heads: int
@@ -54,6 +90,7 @@ class ModelContract:
     recurrent: RecurrentLayers | None = None
     rows: RowLayout | None = None
     selective_recompute: bool = False
+    stack: DecoderStackSpec | None = None
 
     @property
     def sliding_window(self) -> int | None:
@@ -96,6 +133,7 @@ def contract_of(
     rows: RowLayout | None = None,
     selective_recompute: bool = False,
     kv_windows: Sequence[int | None] | None = None,
+    stack: DecoderStackSpec | None = None,
 ) -> ModelContract:
     """The contract of ``model`` from its attention layers (``kv_windows``: each one's sliding
     window, None: every layer sees all keys before it); places their views in one full pool."""
@@ -114,4 +152,5 @@ def contract_of(
         recurrent=recurrent,
         rows=rows,
         selective_recompute=selective_recompute,
+        stack=stack,
     )

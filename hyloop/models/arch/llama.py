@@ -14,7 +14,7 @@ from torch import nn
 
 from hyloop.graphs.step_batch import StepBatch
 from hyloop.models.arch.base import DecoderLM
-from hyloop.models.contract import contract_of
+from hyloop.models.contract import DecoderStackSpec, StackLayer, contract_of
 from hyloop.models.layers.mlp import GatedMLP
 from hyloop.models.layers.norm import RMSNorm
 from hyloop.models.layers.qkv_attention import QKVAttention
@@ -111,10 +111,38 @@ class DenseCausalLM(DecoderLM):
         self.model = DecoderBody(spec)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.tie_weights()
+        attn = self.model.layers[0].self_attn
+        stack = DecoderStackSpec(
+            hidden_size=spec.hidden_size,
+            num_heads=spec.num_heads,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            intermediate_size=spec.intermediate_size,
+            rms_norm_eps=spec.rms_norm_eps,
+            scale=attn.attn.scale,
+            rotary_dim=spec.rope.rotary_dim,
+            mlp_bias=spec.mlp_bias,
+            rotary=attn.rotary,
+            embed=self.model.embed_tokens,
+            layers=self._stack_layers,
+        )
         self.contract = contract_of(
             self,
             vocab_size=spec.vocab_size,
             max_positions=spec.max_positions,
             rope=spec.rope,
             selective_recompute=True,
+            stack=stack,
         )
+
+    def _stack_layers(self) -> list[StackLayer]:
+        """The layers as a decoder stack reads them (``contract.stack.layers``)."""
+        out = []
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            if attn.qk_norm:
+                norms += [attn.q_norm.weight, attn.k_norm.weight]
+            projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            out.append(StackLayer(*projections, tuple(norms), attn.attn.view.layer))
+        return out

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from hyloop.graphs.step_batch import StepBatch
-from hyloop.models.cpu.panels import BF16, F32, I4, I8, Panels, gate_up_split
+from hyloop.models.cpu.panels import BF16, F32, I4, I8, Panels
 from hyloop.models.kv_layout import attention_meta
 
 MAX_HIDDEN, MAX_GROUP, MAX_ROTARY = 8192, 64, 1024  # cpu_decoder.cpp's fixed buffers
@@ -33,28 +33,25 @@ PHASES = ("norm", "qkv", "attention", "o", "gate_up", "down", "wait")
 
 def stack_refusal(model: nn.Module) -> str | None:
     """Why ``model`` cannot run as one stack (None: it can)."""
-    from hyloop.models.arch.llama import DenseCausalLM
-
-    if type(model) is not DenseCausalLM:
+    contract = getattr(model, "contract", None)
+    spec = contract.stack if contract is not None else None
+    if spec is None:
         return f"{type(model).__name__} is not a dense Llama / Qwen2 / Qwen3 model"
-    spec = model.spec
     if spec.mlp_bias:
         return "MLP biases"
     if spec.hidden_size > MAX_HIDDEN or spec.num_heads // spec.num_kv_heads > MAX_GROUP:
         return "hidden size or query group beyond the kernel's buffers"
-    if spec.rope.rotary_dim > MAX_ROTARY or spec.rope.rotary_dim % 2:
+    if spec.rotary_dim > MAX_ROTARY or spec.rotary_dim % 2:
         return "rotary dims"
-    embed = model.model.embed_tokens.weight
+    embed = spec.embed.weight
     if embed.dtype not in (torch.float32, torch.bfloat16):
         return f"dtype {embed.dtype}"
     if embed.device.type != "cpu":
         return "not on the CPU"
     group_dims = spec.num_heads // spec.num_kv_heads * spec.head_dim
     formats = set()
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        kinds = tuple(_format(p) for p in projections)
+    for layer in spec.layers():
+        kinds = tuple(_format(p) for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
         if None in kinds:
             return "a projection hyloop's panels cannot hold"
         if kinds[1] == "int" and group_dims % 32:
@@ -78,14 +75,14 @@ def _format(module: nn.Module) -> str | None:
     return "dense" if ok else None
 
 
-def panels_of(module: nn.Module, name: str) -> Panels:
+def panels_of(module: nn.Module, split: bool = False) -> Panels:
     """The projection's panels: its own (a packed or weight-only Linear has them) or packed
-    here from its weight."""
+    here from its weight (``split``: a fused gate/up projection's halves interleaved)."""
     panels = getattr(module, "panels", None)
     if panels is not None:
         return panels
     weight = module.weight.detach()
-    return Panels.dense(weight, gate_up_split(name, weight.shape[0]))
+    return Panels.dense(weight, weight.shape[0] // 2 if split else 0)
 
 
 class DecoderStack:
@@ -95,13 +92,12 @@ class DecoderStack:
         why = stack_refusal(model)
         if why is not None:
             raise ValueError(f"no decoder stack: {why}")
-        spec = model.spec
-        dtype = model.model.embed_tokens.weight.dtype
-        layers = list(model.model.layers)
-        attn0 = layers[0].self_attn.attn
-        self.rotary = layers[0].self_attn.rotary
+        spec = model.contract.stack
+        dtype = spec.embed.weight.dtype
+        layers = spec.layers()
+        self.rotary = spec.rotary
         self.hidden = spec.hidden_size
-        self.pool_layers = [layer.self_attn.attn.view.layer for layer in layers]
+        self.pool_layers = [layer.kv_layer for layer in layers]
         self.handle = int(
             torch.ops.hyloop.stack_create(
                 spec.hidden_size,
@@ -110,7 +106,7 @@ class DecoderStack:
                 spec.head_dim,
                 spec.intermediate_size,
                 spec.rms_norm_eps,
-                attn0.scale,
+                spec.scale,
                 dtype == torch.bfloat16,
             )
         )
@@ -118,25 +114,21 @@ class DecoderStack:
         self.kinds: dict[str, int] = {}
         self.weight_bytes = 0  # what a step reads of the layers' weights: panels and norms
         with torch.no_grad():
-            for i, layer in enumerate(layers):
-                prefix = f"model.layers.{i}"
-                attn, mlp = layer.self_attn, layer.mlp
+            for layer in layers:
                 projections = [
-                    panels_of(attn.qkv_proj, f"{prefix}.self_attn.qkv_proj"),
-                    panels_of(attn.o_proj, f"{prefix}.self_attn.o_proj"),
-                    panels_of(mlp.gate_up_proj, f"{prefix}.mlp.gate_up_proj"),
-                    panels_of(mlp.down_proj, f"{prefix}.mlp.down_proj"),
+                    panels_of(layer.qkv),
+                    panels_of(layer.o),
+                    panels_of(layer.gate_up, split=True),
+                    panels_of(layer.down),
                 ]
-                norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-                if attn.qk_norm:
-                    norms += [attn.q_norm.weight, attn.k_norm.weight]
+                norms = layer.norms
                 torch.ops.hyloop.stack_add_layer(
                     self.handle,
                     [p.data for p in projections],
                     [p.kind for p in projections],
                     [int(p.half) for p in projections],
                     [n.detach().float() for n in norms],
-                    [_bias(attn.qkv_proj), _bias(attn.o_proj)],
+                    [_bias(layer.qkv), _bias(layer.o)],
                 )
                 for p in projections:
                     self.kinds[_KIND_NAMES[p.kind]] = self.kinds.get(_KIND_NAMES[p.kind], 0) + 1
