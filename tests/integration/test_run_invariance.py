@@ -95,3 +95,21 @@ def test_a_first_run_on_a_machine_gets_a_warm_runs_tokens(
     )
     assert "building the CPU kernels" in done.stderr and "CPU kernels built in" in done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1]) == eager[0]
+
+
+def test_without_the_kernels_a_run_gets_the_kernels_tokens(gguf_path: Path, eager: tuple) -> None:
+    """``HYLOOP_CPU_OPS=0`` (as on a machine without a compiler): every operator runs its torch
+    definition (``models.cpu.numerics``, ``quant.reference``), slower, to the same tokens; the
+    numerics line says which implementation ran."""
+    env = {**os.environ, "HYLOOP_CPU_OPS": "0"}
+    few = PROMPTS[:3]
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, str(gguf_path), json.dumps(few), str(TOKENS)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=True,
+    )
+    assert "torch ops compute the same numerics" in done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == eager[0][:3]

@@ -47,6 +47,7 @@ class CpuKernels:
         if self.native:
             cpu_ops.register_packed(model)
         self.quantized = [m for m in model.modules() if isinstance(m, WeightOnlyLinear)]
+        self.plain = [m for m in model.modules() if type(m) is nn.Linear]  # left to F.linear
         if self.native:
             for layer in self.quantized:
                 layer.attach_panels()
@@ -75,11 +76,19 @@ class CpuKernels:
             kinds = " + ".join(f"{k} x{n}" for k, n in sorted(quant.items()))
             parts.append(f"{kinds}: int8 activations per group of 32, integer dots ({where})")
         dense = Counter((str(m.weight.dtype)[6:], m.kernel) for m in self.layers)
-        names = {"tiled": "hyloop panels", "packed": "oneDNN packed", "linear": "torch F.linear"}
+        dense.update((str(m.weight.dtype)[6:], "linear") for m in self.plain)
+        names = {
+            "tiled": "hyloop panels",
+            "reference": "hyloop panels' chain (torch reference)",
+            "packed": "oneDNN packed",
+            "linear": "torch F.linear",
+        }
         parts += [f"{dt} x{n}: {names[k]}" for (dt, k), n in sorted(dense.items())]
+        where = "C++ kernels" if self.native else "torch reference, slower"
+        parts.append(f"attention, RMSNorm, SiLU: hyloop's CPU definitions ({where})")
         if self.stack is not None:
             parts.append("decode layers in one stack")
-        return "; ".join(parts) or "torch ops"
+        return "; ".join(parts)
 
     def summary(self) -> dict[str, Any]:
         """What runs where (the run summary's ``cpu kernels`` lines)."""

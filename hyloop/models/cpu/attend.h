@@ -1,7 +1,7 @@
 // Decode attention of one kv head's query group over a row's visible pool columns, and the
 // vector math around it (exp, SiLU, sums of squares), shared by hyloop::decode_attention and
 // the decoder stack. Float32 math for every pool dtype; the AVX-512 paths are vectorised over
-// head_dim (any multiple of 16), and portable loops compute the same otherwise.
+// head_dim, and portable loops compute the same bits otherwise.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -20,26 +20,72 @@
 
 namespace hyloop::attend {
 
+// The CPU numerics these functions define, each one written in torch ops too
+// (``models/cpu/numerics.py``), bit for bit: every multiply and add is rounded on its own (the
+// library is built with -ffp-contract=off, and nothing here calls a fused multiply-add), and
+// every reduction runs in one stated order, the same in the AVX-512 and the portable code.
+//
+// - exp: n = round(x * log2(e)) (half to even), r = (x - n * C1) - n * C2, p(r) by Horner from
+//   1/720 down to 1, then p * 2^n rounded once; x below LO gives 0, above HI is clamped.
+// - a lane sum of v[0, n): 16 lanes, lane l the sequential sum from +0 of v[l], v[l + 16], ...
+//   (zeros past n), then the tree (l, l + 8), (l, l + 4), (l, l + 2), (0, 1) (``tree16``).
+constexpr float kLog2e = 0x1.715476p+0f, kC1 = 0x1.63p-1f, kC2 = -0x1.bd0106p-13f;
+constexpr float kExpLo = -0x1.5d589ep+6f, kExpHi = 0x1.61814ap+6f;
+constexpr float kP6 = 0x1.6c16c2p-10f, kP5 = 0x1.111112p-7f, kP4 = 0x1.555556p-5f,
+                kP3 = 0x1.555556p-3f;  // 1/720, 1/120, 1/24, 1/6 in float32
+
+// e^x for one value, the same steps as ``exp16``.
+inline float exp1(float x) {
+  if (x < kExpLo) return 0.0f;
+  x = std::min(std::max(x, kExpLo), kExpHi);
+  const float n = std::nearbyint(x * kLog2e);
+  float r = x - n * kC1;
+  r = r - n * kC2;
+  float p = kP6;
+  p = p * r + kP5;
+  p = p * r + kP4;
+  p = p * r + kP3;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  return std::ldexp(p, static_cast<int>(n));
+}
+
+// The fixed tree over 16 lanes.
+inline float tree16(const float* a) {
+  float t[8];
+  for (int i = 0; i < 8; ++i) t[i] = a[i] + a[i + 8];
+  for (int i = 0; i < 4; ++i) t[i] = t[i] + t[i + 4];
+  for (int i = 0; i < 2; ++i) t[i] = t[i] + t[i + 2];
+  return t[0] + t[1];
+}
+
 #ifdef HYLOOP_A512
-// e^x for 16 lanes: 2^n * p(r), n = round(x / ln 2), r = x - n ln 2 in two parts, p a degree-6
-// polynomial (relative error ~2e-7); lanes below -87.3 give 0.
 inline __m512 exp16(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.33654f), hi = _mm512_set1_ps(88.37626f);
+  const __m512 lo = _mm512_set1_ps(kExpLo), hi = _mm512_set1_ps(kExpHi);
   const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
   x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(kC1)));
+  r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(kC2)));
+  __m512 p = _mm512_set1_ps(kP6);
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(kP5));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(kP4));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(kP3));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(0.5f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.0f));
   const __m512 out = _mm512_scalef_ps(p, n);
   return _mm512_mask_mov_ps(out, under, _mm512_setzero_ps());
+}
+
+// ``tree16`` on a vector.
+inline float tree16(__m512 a) {
+  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -63,10 +109,10 @@ inline void exp_inplace(float* v, int64_t n) {
     return;
   }
 #endif
-  for (; i < n; ++i) v[i] = std::exp(v[i]);
+  for (; i < n; ++i) v[i] = exp1(v[i]);
 }
 
-// out[i] = x[i] / (1 + e^-x[i]) (SiLU), i < n.
+// out[i] = x[i] / (1 + e^(0 - x[i])) (SiLU), i < n.
 inline void silu(const float* x, float* out, int64_t n) {
   int64_t i = 0;
 #ifdef HYLOOP_A512
@@ -77,29 +123,40 @@ inline void silu(const float* x, float* out, int64_t n) {
     _mm512_storeu_ps(out + i, _mm512_div_ps(v, _mm512_add_ps(one, e)));
   }
 #endif
-  for (; i < n; ++i) out[i] = x[i] / (1.0f + std::exp(-x[i]));
+  for (; i < n; ++i) out[i] = x[i] / (1.0f + exp1(0.0f - x[i]));
 }
 
-// sum of x[i]^2, i < n.
-inline float sum_squares(const float* x, int64_t n) {
+// The lane sum of a[i] * b[i], i < n (a float32, b any of the pool dtypes).
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
   int64_t i = 0;
-  float s = 0.0f;
 #ifdef HYLOOP_A512
-  __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
-  for (; i + 32 <= n; i += 32) {
-    const __m512 u = _mm512_loadu_ps(x + i), v = _mm512_loadu_ps(x + i + 16);
-    a = _mm512_fmadd_ps(u, u, a);
-    b = _mm512_fmadd_ps(v, v, b);
+  constexpr bool kLoads = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> ||
+                          std::is_same_v<T, c10::Half>;
+  if constexpr (kLoads) {
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16)
+      acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(a + i), load16(b + i)));
+    if (i < n) {  // the tail's lanes: their products, the rest +0
+      float ta[16] = {}, tb[16] = {};
+      for (int64_t j = i; j < n; ++j) {
+        ta[j - i] = a[j];
+        tb[j - i] = static_cast<float>(b[j]);
+      }
+      acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(ta), _mm512_loadu_ps(tb)));
+    }
+    return tree16(acc);
   }
-  for (; i + 16 <= n; i += 16) {
-    const __m512 u = _mm512_loadu_ps(x + i);
-    a = _mm512_fmadd_ps(u, u, a);
-  }
-  s = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
 #endif
-  for (; i < n; ++i) s += x[i] * x[i];
-  return s;
+  float lanes[16] = {};
+  for (; i < n; i += 16)
+    for (int64_t l = 0; l < 16 && i + l < n; ++l)
+      lanes[l] = lanes[l] + a[i + l] * static_cast<float>(b[i + l]);
+  return tree16(lanes);
 }
+
+// The lane sum of x[i]^2, i < n.
+inline float sum_squares(const float* x, int64_t n) { return dot(x, x, n); }
 
 // The query group of kv head `h` (`G` heads of `D` float32 values at q) over the visible
 // columns of one row: column j reads pool slot slots[j] (rows of `k_row` / `v_row` elements,
@@ -107,6 +164,9 @@ inline float sum_squares(const float* x, int64_t n) {
 // `scratch` holds G * (L + 1) floats. out[g * D + i] (float32) for each head g.
 // With `self_slot` >= 0, the column at that slot reads `k_self` / `v_self` (the head's own new
 // K/V, which another thread may be writing to the pool meanwhile: the same values).
+// The numerics: a score is the lane sum of q * k, times scale, plus bias; the softmax takes the
+// max, exp(score - max), and their sum from +0 column by column; the output is the sum from +0,
+// column by column, of p * v per element, times 1 / that sum.
 template <typename T>
 void group(const float* q, int64_t G, int64_t D, const T* kb, int64_t k_row, const T* vb,
            int64_t v_row, int64_t h, const int64_t* slots, const float* bias, int64_t L,
@@ -118,9 +178,6 @@ void group(const float* q, int64_t G, int64_t D, const T* kb, int64_t k_row, con
 #ifdef HYLOOP_A512
   constexpr bool kLoads = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> ||
                           std::is_same_v<T, c10::Half>;
-  const bool vec = kLoads && D % 16 == 0;
-#else
-  const bool vec = false;
 #endif
   // Scores, visible columns only (packed to the front). The pool rows are scattered: K rows
   // are fetched kAhead columns early, and each column's V row while its K row is read.
@@ -138,21 +195,7 @@ void group(const float* q, int64_t G, int64_t D, const T* kb, int64_t k_row, con
     for (int64_t c = 0; c < lines; ++c) _mm_prefetch(va + 64 * c, _MM_HINT_T1);
 #endif
     for (int64_t g = 0; g < G; ++g) {
-      const float* qg = q + g * D;
-      float s = 0.0f;
-#ifdef HYLOOP_A512
-      if constexpr (kLoads) {
-        if (vec) {
-          __m512 acc = _mm512_setzero_ps();
-          for (int64_t i = 0; i < D; i += 16)
-            acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + i), load16(k + i), acc);
-          s = _mm512_reduce_add_ps(acc);
-        }
-      }
-#endif
-      if (!vec) {
-        for (int64_t i = 0; i < D; ++i) s += qg[i] * static_cast<float>(k[i]);
-      }
+      const float s = dot(q + g * D, k, D);
       scores[g * L + n] = s * scale + bias[j];
     }
     ++n;
@@ -178,17 +221,16 @@ void group(const float* q, int64_t G, int64_t D, const T* kb, int64_t k_row, con
     for (int64_t g = 0; g < G; ++g) {
       const float p = scores[g * L + col];
       float* o = out + g * D;
+      int64_t i = 0;
 #ifdef HYLOOP_A512
       if constexpr (kLoads) {
-        if (vec) {
-          const __m512 pv = _mm512_set1_ps(p);
-          for (int64_t i = 0; i < D; i += 16)
-            _mm512_storeu_ps(o + i, _mm512_fmadd_ps(pv, load16(v + i), _mm512_loadu_ps(o + i)));
-          continue;
-        }
+        const __m512 pv = _mm512_set1_ps(p);
+        for (; i + 16 <= D; i += 16)
+          _mm512_storeu_ps(o + i, _mm512_add_ps(_mm512_loadu_ps(o + i),
+                                                _mm512_mul_ps(pv, load16(v + i))));
       }
 #endif
-      for (int64_t i = 0; i < D; ++i) o[i] += p * static_cast<float>(v[i]);
+      for (; i < D; ++i) o[i] = o[i] + p * static_cast<float>(v[i]);
     }
     ++col;
   }

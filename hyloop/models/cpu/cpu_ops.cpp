@@ -118,6 +118,31 @@ std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& x, int64_t k) {
   return {values, indices};
 }
 
+// attend.h's vector math on x (float32), for tests: 0 e^x, 1 SiLU (elementwise), 2 the lane sum
+// of squares of each row of x [R, n] -> [R].
+at::Tensor vector_math(const at::Tensor& x, int64_t op) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "vector_math: x float32 [R, n]");
+  TORCH_CHECK(op >= 0 && op <= 2, "vector_math: op ", op, " is not 0, 1 or 2");
+  const auto xc = x.contiguous();
+  const int64_t R = xc.size(0), n = xc.size(1);
+  const float* xp = xc.const_data_ptr<float>();
+  if (op == 2) {
+    auto out = at::empty({R}, xc.options());
+    for (int64_t r = 0; r < R; ++r)
+      out.mutable_data_ptr<float>()[r] = hyloop::attend::sum_squares(xp + r * n, n);
+    return out;
+  }
+  auto out = at::empty_like(xc);
+  float* op_ = out.mutable_data_ptr<float>();
+  if (op == 0) {
+    std::copy(xp, xp + R * n, op_);
+    hyloop::attend::exp_inplace(op_, R * n);
+  } else {
+    hyloop::attend::silu(xp, op_, R * n);
+  }
+  return out;
+}
+
 struct Packed {
   at::Tensor weight;  // oneDNN-packed (mkldnn layout)
   std::optional<at::Tensor> bias;
@@ -169,6 +194,7 @@ TORCH_LIBRARY_FRAGMENT(hyloop, m) {
   m.def("unregister_packed(int handle) -> ()", &unregister_packed);
   m.def("packed_linear_native(Tensor x, int handle) -> Tensor");
   m.def("topk_rows(Tensor x, int k) -> (Tensor values, Tensor indices)");
+  m.def("vector_math(Tensor x, int op) -> Tensor", &vector_math);
 }
 
 TORCH_LIBRARY_IMPL(hyloop, CPU, m) {

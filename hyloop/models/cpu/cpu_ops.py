@@ -36,8 +36,8 @@ The library is ``$HYLOOP_CACHE_DIR/cpu_ops/<key>.so``, keyed by the sources, tor
 is built with ``-march=native``). A missing library is
 built when a model is about to load (once per machine, about 30 s on 2 cores, with a line on
 stderr saying so and how long it took; processes building at once wait for one build). Without a
-compiler, or when the build fails, it says why in one line and callers keep their PyTorch
-paths, which compute the quantized modes' same bits (``quant.reference``), only slower.
+compiler, or when the build fails, it says why in one line and callers run the kernels' torch
+definitions (``numerics``, ``quant.reference``), which compute the same bits, only slower.
 ``HYLOOP_CPU_OPS=0`` turns the kernels off.
 """
 
@@ -166,7 +166,17 @@ def _flags() -> list[str]:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     libs = [f"-L{p}" for p in cpp_extension.library_paths()]
-    opts = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++20", "-fopenmp"]
+    # -ffp-contract=off: a multiply and an add stay two roundings (the numerics that
+    # ``numerics.py`` writes in torch ops); fused multiply-adds are the explicit ones.
+    opts = [
+        "-O3",
+        "-march=native",
+        "-ffp-contract=off",
+        "-shared",
+        "-fPIC",
+        "-std=c++20",
+        "-fopenmp",
+    ]
     return [*opts, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, *libs, "-lc10", "-ltorch_cpu"]
 
 
@@ -188,15 +198,15 @@ def library_path() -> Path:
 
 
 def _load(build: bool) -> bool:
-    if os.environ.get("HYLOOP_CPU_OPS", "1") == "0":
-        return False
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     path = library_path()
-    if not path.exists() and (compiler is None or not build):
+    why = None
+    if os.environ.get("HYLOOP_CPU_OPS", "1") == "0":
+        why = "off (HYLOOP_CPU_OPS=0)"
+    elif not path.exists() and (compiler is None or not build):
         why = "no C++ compiler found" if compiler is None else "not built"
-        log.warning(
-            "hyloop CPU kernels: %s; torch ops compute the same quantized numerics, slower", why
-        )
+    if why is not None:
+        log.warning("hyloop CPU kernels: %s; torch ops compute the same numerics, slower", why)
         return False
     try:
         if not path.exists():
@@ -212,7 +222,10 @@ def _load(build: bool) -> bool:
         torch.library.register_fake("hyloop::decode_layers", _decode_layers_fake)
     except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", None) or str(e)
-        log.warning("hyloop CPU kernels unavailable (%s); plain PyTorch paths", detail[-2000:])
+        log.warning(
+            "hyloop CPU kernels unavailable (%s); torch ops compute the same numerics, slower",
+            detail[-2000:],
+        )
         return False
     return True
 

@@ -10,16 +10,16 @@ and the rule below only says which implementation of it runs here:
   same bits);
 - a dense float32 / bfloat16 Linear (``model.cpu_kernels=auto``): hyloop's panel GEMM
   (``panels.h``: every output one sequential chain of fused multiply-adds over K, whatever the
-  row count) where the CPU kernels are loaded and the CPU has AVX-512 (the ISA they are
-  vectorised for; bfloat16 weights need its BF16 dot products too); elsewhere oneDNN's GEMM
-  over a weight packed once (``packed``), or ``F.linear`` where oneDNN cannot pack the dtype
-  (``linear``). ``model.cpu_kernels=packed``
-  names oneDNN everywhere.
+  row count) where the CPU has AVX-512 (the ISA they are vectorised for; bfloat16 weights need
+  its BF16 dot products too): the C++ panels where the kernels are loaded, their torch
+  definition (``numerics.dense_linear``, ``reference``: the same bits, far slower) where they
+  are not; on other CPUs oneDNN's GEMM over a weight packed once (``packed``), or ``F.linear``
+  where oneDNN cannot pack the dtype (``linear``). ``model.cpu_kernels=packed`` names oneDNN
+  everywhere.
 
-A dense row's bits are the panels' on a machine with the kernels and oneDNN's (torch's GEMM)
-without them; oneDNN's order is its own, so a machine without the kernels computes dense modes
-to a float32 / bfloat16 rounding of the same products, not the same bits (the quantized modes'
-bits are the same everywhere). ``HYLOOP_CPU_ISA`` names the ISA the rule reads (``AVX512``,
+So a dense row's bits follow the dtype and the ISA alone, never whether the kernels are built
+(the quantized modes' bits are the same everywhere). ``HYLOOP_CPU_ISA`` names the ISA the rule
+reads (``AVX512``,
 ``AVX2``, ``DEFAULT``) and ``HYLOOP_CPU_FLAGS`` the flags, so a test covers a CPU that lacks
 one.
 """
@@ -36,7 +36,7 @@ import torch
 
 from hyloop.models.cpu.packed_linear import packing_available
 
-DenseKernel = Literal["tiled", "packed", "linear"]
+DenseKernel = Literal["tiled", "reference", "packed", "linear"]
 
 
 def cache_dir() -> Path:
@@ -97,8 +97,9 @@ def dense_kernel(
     dtype: torch.dtype, native: bool, mode: Literal["auto", "packed"] = "auto"
 ) -> DenseKernel:
     """The kernel every dense Linear of ``dtype`` runs at every row count (``native``: hyloop's
-    CPU kernels are loaded)."""
+    CPU kernels are loaded; where they are not, the panels' chain runs as its torch definition,
+    ``reference``: the same bits)."""
     dense = dtype in (torch.float32, torch.bfloat16)
-    if mode == "auto" and native and dense and panels_vectorised(dtype):
-        return "tiled"
+    if mode == "auto" and dense and panels_vectorised(dtype):
+        return "tiled" if native else "reference"
     return "packed" if packing_available(torch.device("cpu"), dtype) else "linear"

@@ -8,6 +8,8 @@ the same at every row count):
 - ``tiled``: hyloop's panel GEMM (``panels.Panels``: ``hyloop::panel_linear``, outer-product
   tiles over 16-column panels, bfloat16 by vdpbf16ps where the CPU has it); those panels are
   what a decoder stack (``decoder_stack``) reads too;
+- ``reference``: the panels' chain as its torch definition (``numerics.dense_linear``), where
+  the C++ kernels are not loaded;
 - ``packed``: oneDNN over a weight reordered once (its bf16 path uses AMX where the CPU has it);
 - ``linear``: ``F.linear`` (oneDNN cannot pack the dtype here).
 
@@ -30,6 +32,7 @@ from torch import nn
 from torch._decomp import register_decomposition
 from torch._inductor.decomposition import decompositions as inductor_decompositions
 
+from hyloop.models.cpu import numerics
 from hyloop.models.cpu.panels import Panels, gate_up_split
 
 _PACKED: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
@@ -148,6 +151,8 @@ class PackedLinear(nn.Module):
         """``hyloop::linear``'s CPU kernel (eager steps)."""
         if self.panels is not None:
             return self.panels.linear(x, self.bias)
+        if self.kernel == "reference":
+            return numerics.dense_linear(x, self.weight, self.bias)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return self.run_packed(x)
@@ -164,6 +169,8 @@ class PackedLinear(nn.Module):
         if panels is not None and self.panels is not None:
             p = self.panels
             return torch.ops.hyloop.panel_linear(x, panels, p.kind, p.n, p.k, p.split, p.half, bias)
+        if self.kernel == "reference":
+            return numerics.dense_op(x, weight, bias)
         if self.packed is None:
             return F.linear(x, weight, bias)
         if self.native:
@@ -190,7 +197,7 @@ def pack_linears(model: nn.Module, kernel_for: Callable[[torch.dtype], str]) -> 
             w = child.weight
             kernel = kernel_for(w.dtype) if w.device.type == "cpu" else "linear"
             # Every Linear on the panels, small ones too: a decoder stack reads them all.
-            small = w.numel() < MIN_PACKED_WEIGHTS and kernel != "tiled"
+            small = w.numel() < MIN_PACKED_WEIGHTS and kernel not in ("tiled", "reference")
             if kernel != "linear" and not small:
                 split = gate_up_split(f"{prefix}.{name}", w.shape[0])
                 setattr(parent, name, PackedLinear(child, kernel, split=split))

@@ -26,7 +26,8 @@
 // integer dot and (weight scale * activation scale, rounded once), then for int4 one of the
 // weight minimum and the activation group's float sum.
 // AVX-512 (with VNNI and BF16 where present) runs the tiles; elsewhere portable loops compute
-// the same thing (bfloat16 pairs as two fused multiply-adds).
+// the same thing (bfloat16 pairs as two fused multiply-adds, the odd k first, as vdpbf16ps adds
+// them; a product of two bfloat16 values is exact in float32, so each is one rounded add).
 
 #pragma once
 
@@ -307,11 +308,11 @@ inline void tile_bf16(const Rows& x, int64_t m0, const uint8_t* w, int64_t strid
       const auto* wp = reinterpret_cast<const c10::BFloat16*>(w + p * stride);
       for (int64_t j = 0; j < kCols; ++j) {
         float acc = resume ? tile[m][p][j] : 0.0f;
-        for (int64_t k = k0; k < k1; k += 2) {
-          acc = std::fma(static_cast<float>(xr[m * x.ld + k]),
-                         static_cast<float>(wp[k * kCols + 2 * j]), acc);
+        for (int64_t k = k0; k < k1; k += 2) {  // vdpbf16ps' order: the odd k, then the even
           acc = std::fma(static_cast<float>(xr[m * x.ld + k + 1]),
                          static_cast<float>(wp[k * kCols + 2 * j + 1]), acc);
+          acc = std::fma(static_cast<float>(xr[m * x.ld + k]),
+                         static_cast<float>(wp[k * kCols + 2 * j]), acc);
         }
         tile[m][p][j] = acc;
       }

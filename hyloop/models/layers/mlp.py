@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyloop.models.cpu import numerics  # noqa: F401  (defines hyloop::silu)
+
 
 class GatedMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))``; ``gate_up_proj`` holds ``[gate; up]`` stacked on rows."""
@@ -18,4 +20,6 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        # CPU: the SiLU the decoder stack's C++ computes (``models.cpu.numerics``).
+        act = torch.ops.hyloop.silu(gate) if gate.device.type == "cpu" else F.silu(gate)
+        return self.down_proj(act * up)

@@ -3,13 +3,17 @@
 The norm is one operator, ``hyloop::rms_norm``, whose kernel is the eager torch code below: a
 compiled step calls it as it is instead of fusing its own version, whose reduction order and
 dropped bfloat16 roundings would give a compiled step other bits than an eager one (and so,
-where activations are quantized to 8 bits, other tokens).
+where activations are quantized to 8 bits, other tokens). On CPU its statistic is
+``models.cpu.numerics``' (a sum of squares in a stated order), the one the decoder stack's C++
+computes.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from hyloop.models.cpu import numerics
 
 _LIB = torch.library.Library("hyloop", "FRAGMENT")
 _LIB.define("rms_norm(Tensor x, Tensor weight, float eps, bool zero_centered) -> Tensor")
@@ -20,7 +24,10 @@ def _rms_norm(
 ) -> torch.Tensor:
     dtype = x.dtype
     h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if h.device.type == "cpu":
+        h = h * numerics.rms_statistic(h, eps)
+    else:
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     if zero_centered:
         return (h * (1.0 + weight.float())).to(dtype)
     return weight * h.to(dtype)

@@ -25,12 +25,14 @@ native = pytest.mark.skipif(
 @pytest.mark.parametrize("isa", ["AVX512", "AVX2", "DEFAULT"])
 def test_the_rule_follows_the_isa_and_the_mode(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HYLOOP_CPU_ISA", isa)
+    monkeypatch.setenv("HYLOOP_CPU_FLAGS", "avx512f avx512_bf16")
     assert cpu_isa() == isa
     for dtype in (torch.float32, torch.bfloat16):
         oneDNN = "packed" if packing_available(torch.device("cpu"), dtype) else "linear"
         want = "tiled" if isa == "AVX512" else oneDNN
         assert dense_kernel(dtype, native=True) == want
-        assert dense_kernel(dtype, native=False) == oneDNN  # no kernels loaded: oneDNN
+        # No kernels loaded: the panels' torch definition where the rule names panels.
+        assert dense_kernel(dtype, native=False) == ("reference" if isa == "AVX512" else oneDNN)
         assert dense_kernel(dtype, native=True, mode="packed") == oneDNN
 
 
@@ -74,7 +76,7 @@ def test_an_engines_kernels_follow_the_masked_flags(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16_PACKED])
-@pytest.mark.parametrize("kernel", ["linear", "packed", "tiled"])
+@pytest.mark.parametrize("kernel", ["linear", "packed", "tiled", "reference"])
 def test_every_kernel_computes_the_linear(kernel: str, dtype: torch.dtype) -> None:
     if kernel == "tiled" and not cpu_ops.ensure_loaded():
         pytest.skip("no C++ compiler: hyloop's panels cannot be built")
@@ -97,14 +99,19 @@ def test_every_kernel_computes_the_linear(kernel: str, dtype: torch.dtype) -> No
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(dtype: torch.dtype) -> None:
     """The panels at every row count a step or a prefill chunk runs: row 0 alone is row 0 of
-    every batch (one chain per output whatever the tile shape)."""
+    every batch (one chain per output whatever the tile shape), and their torch definition
+    (``reference``, where the kernels are not loaded) gives every row the same bits."""
     torch.manual_seed(1)
-    layer = PackedLinear(nn.Linear(576, 1536).to(dtype), "tiled")
+    linear = nn.Linear(576, 1536).to(dtype)
+    layer = PackedLinear(linear, "tiled")
     x = torch.randn(600, 576).to(dtype)
     with torch.inference_mode():
         alone = layer(x[:1])
         for rows in (2, 3, 8, 9, 16, 17, 32, 33, 64, 600):
             assert torch.equal(layer(x[:rows])[:1], alone), rows
+        reference = PackedLinear(linear, "reference")
+        for rows in (1, 9, 33):
+            assert torch.equal(reference(x[:rows]), layer(x[:rows])), rows
 
 
 @native

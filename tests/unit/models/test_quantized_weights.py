@@ -5,6 +5,10 @@ loaded in every mode, eagerly and compiled."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -290,3 +294,57 @@ def test_auto_keeps_q8_0_blocks_as_the_file_holds_them(tiny_files: dict[str, Pat
             assert torch.equal(held, dense[name].weight.detach()), name
             checked += 1
     assert checked == 3  # two down projections and the head
+
+
+KERNELS_OFF_CHILD = r"""
+import json, sys
+from hyloop import LLM, SamplingParams
+args = json.loads(sys.argv[1])
+with LLM(model=args["path"], overrides=args["overrides"]) as llm:
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=0)
+    outs = llm.generate(args["prompts"], params, use_tqdm=False)
+    print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs],
+                      "logprobs": [[next(iter(d.values())).logprob for d in o.outputs[0].logprobs]
+                                   for o in outs],
+                      "numerics": llm.stats()["numerics"]}))
+"""
+
+
+def _greedy_run(path: Path, overrides: list[str], kernels: bool) -> dict[str, Any]:
+    env = {**os.environ, "HYLOOP_CPU_OPS": "1" if kernels else "0"}
+    args = json.dumps({"path": str(path), "overrides": overrides, "prompts": PROMPTS})
+    done = subprocess.run(
+        [sys.executable, "-c", KERNELS_OFF_CHILD, args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["model.weights=auto"],
+        ["model.weights=dequantize", "dtype=bfloat16"],
+        ["model.weights=auto", "graphs.backend=compile", "graphs.buckets=[2]"],
+    ],
+    ids=["auto", "bf16", "auto-compile"],
+)
+def test_without_the_kernels_a_run_computes_the_same_bits(
+    tiny_files: dict[str, Path], overrides: list[str]
+) -> None:
+    """``HYLOOP_CPU_OPS=0`` (a machine without a compiler): the torch definitions of every
+    kernel give the same greedy tokens and the same logprobs, to the bit, 32 tokens a row."""
+    path = tiny_files["quantized"]
+    common = [*overrides, "model.max_context=128", "scheduler.max_running_requests=2"]
+    with_kernels = _greedy_run(path, common, kernels=True)
+    without = _greedy_run(path, common, kernels=False)
+    assert "C++ kernels" in with_kernels["numerics"]
+    assert "torch reference" in without["numerics"]
+    assert all(len(t) == 32 for t in with_kernels["tokens"])
+    assert without["tokens"] == with_kernels["tokens"]
+    assert without["logprobs"] == with_kernels["logprobs"]

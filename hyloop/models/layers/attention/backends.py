@@ -9,8 +9,9 @@ one for captured steps, which differ only in speed:
   context into the same two step-scratch buffers.
 * ``CompiledPath``: what inductor should see: the decode as two multiply-reduces over the rows
   as they lie in the pool, each fused with its gather.
-* ``NativePath`` (CPU, ``models.cpu.cpu_ops`` loaded): hyloop's C++ kernels, eager and compiled
-  alike: decode attention over the visible pool rows in place, a sampler's small top-k.
+* ``NativePath`` (CPU): hyloop's C++ kernels, eager and compiled alike: decode attention over
+  the visible pool rows in place, a sampler's small top-k; where they are not loaded, the same
+  operators' torch definitions (``models.cpu.numerics``: the same bits, slower).
 
 ``bench/decode_step.py`` times the paths against each other.
 """
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from hyloop.graphs.step_batch import StepBatch
+from hyloop.models.cpu import numerics
 
 if TYPE_CHECKING:
     from hyloop.models.layers.attention.paged import AttentionMeta, PagedAttention
@@ -166,14 +168,13 @@ class CompiledPath(TorchPath):
 
 class NativePath(TorchPath):
     """hyloop's CPU kernels (``models.cpu.cpu_ops``): reads the visible pool rows in place;
-    with ``stack``, a dense model's decode steps run its layers as one call."""
+    with ``stack``, a dense model's decode steps run its layers as one call. ``native=False``:
+    the kernels are not loaded, and their torch definitions run instead."""
 
-    def __init__(self, stack: Any = None) -> None:
+    def __init__(self, stack: Any = None, native: bool = True) -> None:
         self.stack = stack
-
-    @staticmethod
-    def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.ops.hyloop.topk_rows(x, k)
+        self.attend = torch.ops.hyloop.decode_attention if native else numerics.attention_op
+        self.topk = torch.ops.hyloop.topk_rows if native else numerics.topk
 
     def prefill(
         self,
@@ -196,7 +197,7 @@ class NativePath(TorchPath):
             zero = torch.zeros((), dtype=F32, device=q.device)
             bias = torch.where(meta.mask.view(b * t, length), zero, float("-inf"))
             rows = batch.meta[key] = (slots.contiguous(), bias)
-        out = torch.ops.hyloop.decode_attention(
+        out = self.attend(
             q.reshape(b * t, layer.num_heads, d), k_buf, v_buf, rows[0], rows[1], layer.scale
         )
         return out.view(b, t, layer.num_heads * d)
@@ -211,7 +212,7 @@ class NativePath(TorchPath):
         batch: StepBatch,
     ) -> torch.Tensor:
         b, d = q.shape[0], layer.head_dim
-        out = torch.ops.hyloop.decode_attention(
+        out = self.attend(
             q.reshape(b, layer.num_heads, d),
             k_buf,
             v_buf,
@@ -231,20 +232,19 @@ class NativePath(TorchPath):
         )
         bias = torch.zeros(b, pos + 1, dtype=F32, device=q.device)
         flat = (b * positions, h, d)
-        out = torch.ops.hyloop.decode_attention(
-            q, k_cache.view(flat), v_cache.view(flat), slots, bias, d**-0.5
-        )
+        out = self.attend(q, k_cache.view(flat), v_cache.view(flat), slots, bias, d**-0.5)
         return out.reshape(b, h * d)
 
 
 def compute_paths(
     device: torch.device, native: bool, compiled: bool, stack: Any = None
 ) -> tuple[Any, Any]:
-    """``(eager, captured)`` paths: the CPU kernels for both when loaded (with the model's
-    decoder ``stack``, if it has one), else torch ops for eager steps and, when the captured
-    step is compiled, the form inductor fuses."""
-    if native:
-        path = NativePath(stack)
+    """``(eager, captured)`` paths: on CPU the kernels for both (with the model's decoder
+    ``stack``, if it has one), or their torch definitions where they are not loaded; elsewhere
+    torch ops for eager steps and, when the captured step is compiled, the form inductor
+    fuses."""
+    if device.type == "cpu":
+        path = NativePath(stack, native)
         return path, path
     eager = TorchPath()
     return eager, CompiledPath() if compiled else eager
