@@ -1,7 +1,8 @@
 // Decode attention of one kv head's query group over a row's visible pool columns, and the
 // vector math around it (exp, SiLU, sums of squares), shared by hyloop::decode_attention and
 // the decoder stack. Float32 math for every pool dtype; the AVX-512 paths are vectorised over
-// head_dim, and portable loops compute the same bits otherwise.
+// head_dim, AVX2 ones over half vectors (two per 16 lanes), and portable loops compute the same
+// bits otherwise.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -10,12 +11,16 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #include <immintrin.h>
 #define HYLOOP_A512 1
+#elif defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+#define HYLOOP_A256 1
 #endif
 
 namespace hyloop::attend {
@@ -34,11 +39,21 @@ constexpr float kExpLo = -0x1.5d589ep+6f, kExpHi = 0x1.61814ap+6f;
 constexpr float kP6 = 0x1.6c16c2p-10f, kP5 = 0x1.111112p-7f, kP4 = 0x1.555556p-5f,
                 kP3 = 0x1.555556p-3f;  // 1/720, 1/120, 1/24, 1/6 in float32
 
-// e^x for one value, the same steps as ``exp16``.
+// e^x for one value, the same steps as ``exp16``, branch-free so that loops of it vectorise:
+// round to nearest even by adding and taking away 1.5 * 2^23 (exact for |v| < 2^22), and
+// p * 2^n as two exact products by powers of two, the second of which rounds (n <= 128).
+inline float pow2(int32_t e) {  // 2^e, e in [-126, 127]
+  const uint32_t bits = static_cast<uint32_t>(e + 127) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 inline float exp1(float x) {
-  if (x < kExpLo) return 0.0f;
+  const bool under = x < kExpLo;
   x = std::min(std::max(x, kExpLo), kExpHi);
-  const float n = std::nearbyint(x * kLog2e);
+  constexpr float kRound = 0x1.8p+23f;
+  const float n = (x * kLog2e + kRound) - kRound;
   float r = x - n * kC1;
   r = r - n * kC2;
   float p = kP6;
@@ -48,8 +63,15 @@ inline float exp1(float x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  return std::ldexp(p, static_cast<int>(n));
+  const int32_t e = static_cast<int32_t>(n), e1 = std::min(e, 127);
+  const float out = (p * pow2(e1)) * pow2(e - e1);
+  return under ? 0.0f : out;
 }
+
+// The pool dtypes the vector paths load.
+template <typename T>
+constexpr bool kLoads =
+    std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>;
 
 // The fixed tree over 16 lanes.
 inline float tree16(const float* a) {
@@ -98,6 +120,49 @@ inline __m512 load16(const c10::Half* p) {
 }
 #endif
 
+#ifdef HYLOOP_A256
+// ``exp16`` on 8 lanes.
+inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(kExpLo), hi = _mm256_set1_ps(kExpHi);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(kC1)));
+  r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(kC2)));
+  __m256 p = _mm256_set1_ps(kP6);
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(kP5));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(kP4));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(kP3));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(0.5f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.0f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_cvtps_epi32(n), e1 = _mm256_min_epi32(e, _mm256_set1_epi32(127));
+  const auto pow2 = [](__m256i k) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k, _mm256_set1_epi32(127)), 23));
+  };
+  const __m256 out = _mm256_mul_ps(_mm256_mul_ps(p, pow2(e1)), pow2(_mm256_sub_epi32(e, e1)));
+  return _mm256_blendv_ps(out, _mm256_setzero_ps(), under);
+}
+
+// ``tree16`` over lanes 0-7 (a) and 8-15 (b).
+inline float tree16(__m256 a, __m256 b) {
+  const __m256 s8 = _mm256_add_ps(a, b);
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
+
 // v[i] = e^v[i], i < n.
 inline void exp_inplace(float* v, int64_t n) {
   int64_t i = 0;
@@ -108,6 +173,8 @@ inline void exp_inplace(float* v, int64_t n) {
     _mm512_mask_storeu_ps(v + i, m, exp16(_mm512_maskz_loadu_ps(m, v + i)));
     return;
   }
+#elif defined(HYLOOP_A256)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(v + i, exp8(_mm256_loadu_ps(v + i)));
 #endif
   for (; i < n; ++i) v[i] = exp1(v[i]);
 }
@@ -122,6 +189,13 @@ inline void silu(const float* x, float* out, int64_t n) {
     const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), v));
     _mm512_storeu_ps(out + i, _mm512_div_ps(v, _mm512_add_ps(one, e)));
   }
+#elif defined(HYLOOP_A256)
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), v));
+    _mm256_storeu_ps(out + i, _mm256_div_ps(v, _mm256_add_ps(one, e)));
+  }
 #endif
   for (; i < n; ++i) out[i] = x[i] / (1.0f + exp1(0.0f - x[i]));
 }
@@ -131,9 +205,7 @@ template <typename T>
 inline float dot(const float* a, const T* b, int64_t n) {
   int64_t i = 0;
 #ifdef HYLOOP_A512
-  constexpr bool kLoads = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> ||
-                          std::is_same_v<T, c10::Half>;
-  if constexpr (kLoads) {
+  if constexpr (kLoads<T>) {
     __m512 acc = _mm512_setzero_ps();
     for (; i + 16 <= n; i += 16)
       acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(a + i), load16(b + i)));
@@ -146,6 +218,24 @@ inline float dot(const float* a, const T* b, int64_t n) {
       acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(ta), _mm512_loadu_ps(tb)));
     }
     return tree16(acc);
+  }
+#elif defined(HYLOOP_A256)
+  if constexpr (kLoads<T>) {
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();  // lanes 0-7, 8-15
+    for (; i + 16 <= n; i += 16) {
+      lo = _mm256_add_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(a + i), load8(b + i)));
+      hi = _mm256_add_ps(hi, _mm256_mul_ps(_mm256_loadu_ps(a + i + 8), load8(b + i + 8)));
+    }
+    if (i < n) {
+      float ta[16] = {}, tb[16] = {};
+      for (int64_t j = i; j < n; ++j) {
+        ta[j - i] = a[j];
+        tb[j - i] = static_cast<float>(b[j]);
+      }
+      lo = _mm256_add_ps(lo, _mm256_mul_ps(_mm256_loadu_ps(ta), _mm256_loadu_ps(tb)));
+      hi = _mm256_add_ps(hi, _mm256_mul_ps(_mm256_loadu_ps(ta + 8), _mm256_loadu_ps(tb + 8)));
+    }
+    return tree16(lo, hi);
   }
 #endif
   float lanes[16] = {};
@@ -175,10 +265,6 @@ void group(const float* q, int64_t G, int64_t D, const T* kb, int64_t k_row, con
   const float ninf = -std::numeric_limits<float>::infinity();
   float* scores = scratch;  // [G][n]
   int64_t n = 0;
-#ifdef HYLOOP_A512
-  constexpr bool kLoads = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> ||
-                          std::is_same_v<T, c10::Half>;
-#endif
   // Scores, visible columns only (packed to the front). The pool rows are scattered: K rows
   // are fetched kAhead columns early, and each column's V row while its K row is read.
   constexpr int64_t kAhead = 8;
@@ -186,7 +272,7 @@ void group(const float* q, int64_t G, int64_t D, const T* kb, int64_t k_row, con
   for (int64_t j = 0; j < L; ++j) {
     if (bias[j] == ninf) continue;
     const T* k = slots[j] == self_slot ? k_self : kb + slots[j] * k_row + h * D;
-#ifdef HYLOOP_A512
+#if defined(HYLOOP_A512) || defined(HYLOOP_A256)
     if (j + kAhead < L) {
       const char* ka = reinterpret_cast<const char*>(kb + slots[j + kAhead] * k_row + h * D);
       for (int64_t c = 0; c < lines; ++c) _mm_prefetch(ka + 64 * c, _MM_HINT_T0);
@@ -223,11 +309,18 @@ void group(const float* q, int64_t G, int64_t D, const T* kb, int64_t k_row, con
       float* o = out + g * D;
       int64_t i = 0;
 #ifdef HYLOOP_A512
-      if constexpr (kLoads) {
+      if constexpr (kLoads<T>) {
         const __m512 pv = _mm512_set1_ps(p);
         for (; i + 16 <= D; i += 16)
           _mm512_storeu_ps(o + i, _mm512_add_ps(_mm512_loadu_ps(o + i),
                                                 _mm512_mul_ps(pv, load16(v + i))));
+      }
+#elif defined(HYLOOP_A256)
+      if constexpr (kLoads<T>) {
+        const __m256 pv = _mm256_set1_ps(p);
+        for (; i + 8 <= D; i += 8)
+          _mm256_storeu_ps(o + i, _mm256_add_ps(_mm256_loadu_ps(o + i),
+                                                _mm256_mul_ps(pv, load8(v + i))));
       }
 #endif
       for (; i < D; ++i) o[i] = o[i] + p * static_cast<float>(v[i]);

@@ -118,6 +118,86 @@ std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& x, int64_t k) {
   return {values, indices};
 }
 
+template <typename T>
+inline float widen(T v) {
+  return static_cast<float>(v);
+}
+
+// hyloop::rms_norm's CPU kernel (layers/norm.py gives the op, numerics.py the definition): per
+// row r = 1 / sqrt(lane sum of squares / n + eps); plain: weight * (x * r in x's dtype), in the
+// promoted dtype; zero-centred: x * r * (1 + weight) in x's dtype.
+template <typename X, typename W, typename O>
+void rms_rows(const X* x, const W* w, O* out, int64_t rows, int64_t n, float eps, bool zc) {
+  hyloop::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(n), wf(n);
+    for (int64_t i = 0; i < n; ++i) wf[i] = zc ? 1.0f + widen(w[i]) : widen(w[i]);
+    for (int64_t r = begin; r < end; ++r) {
+      const X* xr = x + r * n;
+      for (int64_t i = 0; i < n; ++i) h[i] = widen(xr[i]);
+      const float ms = hyloop::attend::sum_squares(h.data(), n) / static_cast<float>(n);
+      const float inv = 1.0f / std::sqrt(ms + eps);
+      O* o = out + r * n;
+      for (int64_t i = 0; i < n; ++i) {
+        const float v = h[i] * inv;
+        o[i] = zc ? static_cast<O>(v * wf[i]) : static_cast<O>(widen(static_cast<X>(v)) * wf[i]);
+      }
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool zero_centered) {
+  const int64_t n = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == n, "rms_norm: weight must be [", n, "]");
+  const auto xc = x.contiguous();
+  const auto wc = weight.contiguous();
+  const auto out_type = zero_centered ? x.scalar_type() : c10::promoteTypes(weight.scalar_type(), x.scalar_type());
+  auto out = at::empty(x.sizes(), x.options().dtype(out_type));
+  const int64_t rows = n == 0 ? 0 : x.numel() / n;
+  const float e = static_cast<float>(eps);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm x", [&] {
+    using X = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, wc.scalar_type(), "rms_norm w", [&] {
+      using W = scalar_t;
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out_type, "rms_norm out", [&] {
+        rms_rows<X, W, scalar_t>(xc.const_data_ptr<X>(), wc.const_data_ptr<W>(),
+                                 out.mutable_data_ptr<scalar_t>(), rows, n, e, zero_centered);
+      });
+    });
+  });
+  return out;
+}
+
+constexpr int64_t kSiluChunk = 2048;
+
+inline void silu_chunk(const float* x, float* out, int64_t m) { hyloop::attend::silu(x, out, m); }
+
+template <typename T>
+void silu_chunk(const T* x, T* out, int64_t m) {
+  float in[kSiluChunk], res[kSiluChunk];
+  for (int64_t i = 0; i < m; ++i) in[i] = widen(x[i]);
+  hyloop::attend::silu(in, res, m);
+  for (int64_t i = 0; i < m; ++i) out[i] = static_cast<T>(res[i]);
+}
+
+// hyloop::silu's CPU kernel: attend.h's SiLU in float32, in x's dtype.
+at::Tensor silu(const at::Tensor& x) {
+  const auto xc = x.contiguous();
+  auto out = at::empty_like(xc);
+  const int64_t total = xc.numel();
+  constexpr int64_t kChunk = kSiluChunk;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu", [&] {
+    const scalar_t* xp = xc.const_data_ptr<scalar_t>();
+    scalar_t* op = out.mutable_data_ptr<scalar_t>();
+    hyloop::parallel_for(0, (total + kChunk - 1) / kChunk, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t c = begin; c < end; ++c) {
+        const int64_t i0 = c * kChunk, m = std::min(kChunk, total - i0);
+        silu_chunk(xp + i0, op + i0, m);
+      }
+    });
+  });
+  return out;
+}
+
 // attend.h's vector math on x (float32), for tests: 0 e^x, 1 SiLU (elementwise), 2 the lane sum
 // of squares of each row of x [R, n] -> [R].
 at::Tensor vector_math(const at::Tensor& x, int64_t op) {
@@ -201,4 +281,6 @@ TORCH_LIBRARY_IMPL(hyloop, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("packed_linear_native", &packed_linear_native);
   m.impl("topk_rows", &topk_rows);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("silu", &silu);
 }

@@ -140,12 +140,15 @@ def ensure_loaded(build: bool = True) -> bool:
         return _state["loaded"]
 
 
-def compile_options() -> dict[str, int]:
-    """Inductor options for a compiled CPU step: with the kernels loaded, the step's heavy work
-    (GEMMs, attention) runs on their pool, and inductor's own kernels (norms, rotary, sampling on
-    a few rows) run serially: at decode sizes each OpenMP region cost more in waking a sleeping
-    thread than it saved (SmolLM2 bf16 batch 1: 64 -> 72-86 tok/s serial)."""
-    return {"cpp.threads": 1} if available() else {}
+def compile_options() -> dict[str, int | bool]:
+    """Inductor options for a compiled CPU step. Its fused kernels round each bfloat16 value
+    where eager ops round it (``emulate_precision_casts``: rotary, residual adds), so a compiled
+    step computes an eager one's bits. With the kernels loaded, the step's heavy work (GEMMs,
+    attention) runs on their pool, and inductor's own kernels (sampling, the glue on a few rows)
+    run serially: at decode sizes each OpenMP region cost more in waking a sleeping thread than
+    it saved (SmolLM2 bf16 batch 1: 64 -> 72-86 tok/s serial)."""
+    threads: dict[str, int | bool] = {"cpp.threads": 1} if available() else {}
+    return {"emulate_precision_casts": True, **threads}
 
 
 def register_packed(model: torch.nn.Module) -> None:
@@ -212,6 +215,10 @@ def _load(build: bool) -> bool:
         if not path.exists():
             assert compiler is not None
             _build_once(compiler, path)
+        # The ops whose CPU kernels the library adds are defined first.
+        import hyloop.models.cpu.numerics  # noqa: F401  (hyloop::silu)
+        import hyloop.models.layers.norm  # noqa: F401  (hyloop::rms_norm)
+
         torch.ops.load_library(str(path))
         from hyloop.models.cpu.packed_linear import _packed_linear_fake
 

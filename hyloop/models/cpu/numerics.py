@@ -24,7 +24,8 @@ own is defined once, here, in torch ops that round exactly where the kernels do 
 
 A sum in order is ``numpy.add.accumulate`` (one float32 add after another, no reassociation);
 torch's own reductions, and its ``cumsum`` (which accumulates float32 in float64), have orders of
-their own. These run slower than the kernels, never differently.
+their own; a square root is numpy's (torch's vectorised ``sqrt`` is not correctly rounded in
+every lane). These run slower than the kernels, never differently.
 """
 
 from __future__ import annotations
@@ -102,7 +103,13 @@ def lane_sum(t: torch.Tensor) -> torch.Tensor:
 def rms_statistic(h: torch.Tensor, eps: float) -> torch.Tensor:
     """``1 / sqrt(mean square + eps)`` of float32 rows ``h [..., n]``, ``[..., 1]``."""
     ms = lane_sum(h * h) / float(h.shape[-1])
-    return torch.reciprocal(torch.sqrt(ms + torch.tensor(eps, dtype=F32))).unsqueeze(-1)
+    return torch.reciprocal(sqrt(ms + torch.tensor(eps, dtype=F32))).unsqueeze(-1)
+
+
+def sqrt(t: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded square root (numpy's is the CPU's instruction; torch's vectorised
+    one is off by an ulp in some lanes)."""
+    return torch.from_numpy(np.sqrt(t.contiguous().numpy()))
 
 
 def attention(
@@ -194,14 +201,14 @@ def _flush_subnormal(t: torch.Tensor) -> torch.Tensor:
 # above): each runs its definition as it stands.
 
 
-@torch.library.custom_op("hyloop::silu", mutates_args=())
-def silu_op(x: torch.Tensor) -> torch.Tensor:
-    """``silu`` as one operator."""
-    return silu(x)
+# ``hyloop::silu``: this definition, or the C++ kernel (``cpu_ops.cpp``) where it is loaded.
+_LIB = torch.library.Library("hyloop", "FRAGMENT")
+_LIB.define("silu(Tensor x) -> Tensor")
+_LIB.impl("silu", silu, "CompositeExplicitAutograd")
 
 
-@silu_op.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
+@torch.library.register_fake("hyloop::silu", lib=_LIB)
+def _silu_fake(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 

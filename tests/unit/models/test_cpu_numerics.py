@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -123,8 +124,26 @@ def test_rms_norm_statistic_is_the_stated_one() -> None:
             lanes = lanes + chunk
         assert float(ss[r]) == float(numerics.tree16(lanes))
     got = numerics.rms_statistic(h, 1e-6).squeeze(-1)
-    want = 1.0 / torch.sqrt(ss / 100.0 + torch.tensor(1e-6))
+    ms = ss.numpy() / np.float32(100.0) + np.float32(1e-6)
+    want = torch.from_numpy(np.float32(1.0) / np.sqrt(ms))
     _bits_equal(got, want)
     assert math.isclose(
         float(got[0]), float(h[0].double().pow(2).mean().add(1e-6).rsqrt()), rel_tol=1e-6
     )
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_rms_norm_and_silu_kernels_are_the_definitions(
+    dtype: torch.dtype, w_dtype: torch.dtype, zero_centered: bool
+) -> None:
+    from hyloop.models.layers.norm import _rms_norm
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(2, 7, 576, generator=g) * 4).to(dtype)
+    w = (torch.randn(576, generator=g) * 0.3 + 1).to(w_dtype)
+    got = torch.ops.hyloop.rms_norm(x, w, 1e-5, zero_centered)  # the C++ kernel
+    _bits_equal(got, _rms_norm(x, w, 1e-5, zero_centered))
+    _bits_equal(torch.ops.hyloop.silu(x), numerics.silu(x))
