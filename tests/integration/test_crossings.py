@@ -5,7 +5,10 @@ A crossing is a call from one ``hyloop/`` file into a function of another (frame
 standard library in between are looked through), each (caller file, callee file) edge once;
 constructors and module bodies are not counted. Recorded under ``graphs.backend=eager`` (a
 compiled step hides its layers from a profiler), on a second request, so that first-use work
-(imports, kernel builds) is not in it. A new crossing fails this test until the doc lists it:
+(imports, kernel builds) is not in it. The CPU is seen as AVX2 (``HYLOOP_CPU_ISA``), so every
+x86 machine records the same route: with AVX-512 a dense model's Linears run hyloop's panels and
+its decode steps the decoder stack, which adds the hops of ``models/cpu/``.
+A new crossing fails this test until the doc lists it;
 ``HYLOOP_WRITE_CROSSINGS=1 pytest tests/integration/test_crossings.py`` rewrites the lists.
 """
 
@@ -21,6 +24,7 @@ from types import FrameType
 from typing import Any
 
 import numpy as np
+import pytest
 
 import hyloop
 
@@ -95,6 +99,12 @@ def check(name: str, edges: dict[tuple[str, str], str]) -> None:
     assert said is not None and int(said.group(1)) == len(edges), (
         f"docs/architecture.md should count {len(edges)} {name} crossings"
     )
+
+
+@pytest.fixture(autouse=True)
+def _the_same_route_on_every_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HYLOOP_CPU_ISA", "AVX2")
+    monkeypatch.setenv("HYLOOP_CPU_FLAGS", "avx2 fma f16c")
 
 
 def test_a_default_text_requests_crossings_are_the_docs(gguf_path: Path) -> None:
