@@ -49,9 +49,9 @@ def parse_arms(text: str) -> list[tuple[int, float]]:
 
 
 def run_arm(
-    model: Path, backend: str, arm: tuple[int, float] | None, work: Workload
+    model: Path, backend: str, weights: str, arm: tuple[int, float] | None, work: Workload
 ) -> dict[str, Any]:
-    overrides = [f"graphs.backend={backend}", "kv_pool.num_pages=40000"]
+    overrides = [f"graphs.backend={backend}", f"model.weights={weights}", "kv_pool.num_pages=40000"]
     if arm is not None:
         overrides += [
             "cache.position_independent.enable=true",
@@ -164,6 +164,7 @@ def main() -> None:
     ap.add_argument("--json", help="write results here")
     ap.add_argument("--model", type=Path, default=None, help="default: SmolLM2-135M (GGUF)")
     ap.add_argument("--backend", default="eager", help="graphs.backend for every arm")
+    ap.add_argument("--weights", default="auto", help="model.weights for every arm")
     ap.add_argument("--workloads", default="modules,reference", help=f"of {list(WORKLOADS)}")
     ap.add_argument("--docs", type=int, default=12)
     ap.add_argument("--queries", type=int, default=12)
@@ -182,16 +183,20 @@ def main() -> None:
         ]
     cpu = lscpu_fields().get("Model name") or cpu_name()
     print(f"position-independent reuse, {model.name}, CPU: {cpu}")
-    print(f"{NEW_TOKENS} greedy tokens per query; backend {args.backend}; 'cpu x' is the query")
+    print(
+        f"{NEW_TOKENS} greedy tokens per query; backend {args.backend}; weights {args.weights}; "
+        "'cpu x' is the query"
+    )
     print("wave's CPU-time speedup over reuse off; 'doc reused' is net of the recomputed tokens;")
     print("'prefill' counts the tokens that ran every layer")
     results = {}
     for work in works:
         header(work)
-        off = run_arm(model, args.backend, None, work)
+        off = run_arm(model, args.backend, args.weights, None, work)
         results[work.name] = [row(off, off)]
         for arm in parse_arms(args.arms):
-            results[work.name].append(row(run_arm(model, args.backend, arm, work), off))
+            on = run_arm(model, args.backend, args.weights, arm, work)
+            results[work.name].append(row(on, off))
             gc.collect()  # the arm's engine and pools, before the next one's
     write_json(
         {
@@ -201,6 +206,7 @@ def main() -> None:
             "queries": args.queries,
             "new_tokens": NEW_TOKENS,
             "backend": args.backend,
+            "weights": args.weights,
             "workloads": results,
         },
         args.json,
