@@ -115,22 +115,20 @@ struct Rows {
   const c10::BFloat16* bf16 = nullptr;
   const int8_t* q = nullptr;      // [m][ld] int8 codes
   const float* scale = nullptr;   // [m][k / 32]
-  const float* fsum = nullptr;    // [m][k / 32] exact float sum of each group
+  const float* fsum = nullptr;    // [m][k / 32] each group's sum as its codes hold it: scale * isum
   const int32_t* isum = nullptr;  // [m][k / 32] sum of each group's codes
 };
 
-// Quantize `k` values (float or bfloat16) per group of 32: codes, scales, float and code sums.
+// Quantize `k` values (float or bfloat16) per group of 32: codes, scales, code sums and the
+// group's sum as the codes hold it (scale * code sum, one rounding), so an int4 layer's minimum
+// term sees the same quantized activations as its codes term and the two errors stay centred.
 template <typename T>
 inline void quantize_row(const T* x, int64_t k, int8_t* q, float* scale, float* fsum,
                          int32_t* isum) {
   for (int64_t g = 0; g < k / kGroup; ++g) {
     const T* v = x + g * kGroup;
-    float amax = 0.0f, total = 0.0f;
-    for (int64_t j = 0; j < kGroup; ++j) {
-      const float f = static_cast<float>(v[j]);
-      amax = std::max(amax, std::abs(f));
-      total += f;
-    }
+    float amax = 0.0f;
+    for (int64_t j = 0; j < kGroup; ++j) amax = std::max(amax, std::abs(static_cast<float>(v[j])));
     const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
     int32_t s = 0;
     for (int64_t j = 0; j < kGroup; ++j) {
@@ -139,7 +137,7 @@ inline void quantize_row(const T* x, int64_t k, int8_t* q, float* scale, float* 
       s += c;
     }
     scale[g] = d;
-    fsum[g] = total;
+    fsum[g] = d * static_cast<float>(s);
     isum[g] = s;
   }
 }

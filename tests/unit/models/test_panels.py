@@ -28,11 +28,13 @@ def _close(got: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
 
 
 def _q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What the integer kernels do to activations: codes, scale and float sum per group of 32."""
+    """What the integer kernels do to activations: codes, scale and the sum the codes hold
+    (scale * code sum) per group of 32."""
     g = x.float().reshape(x.shape[0], -1, 32)
     d = g.abs().amax(-1) / 127
     inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-    return torch.round(g * inv[..., None]).double(), d.double(), g.sum(-1).double()
+    q = torch.round(g * inv[..., None])
+    return q.double(), d.double(), (d * q.sum(-1)).double()
 
 
 def _int4_reference(x: torch.Tensor, groups: Int4Groups) -> torch.Tensor:

@@ -33,7 +33,7 @@ def _float64_reading(x: torch.Tensor, groups: Int4Groups) -> torch.Tensor:
     n, k = groups.codes.shape
     dots = torch.einsum("mgj,ngj->mng", q, groups.codes.double().view(n, k // 32, 32))
     scale, mins = groups.scale.double(), groups.min.double()
-    return (dots * scale[None] * d[:, None] + mins[None] * g.sum(-1)[:, None]).sum(-1)
+    return (dots * scale[None] * d[:, None] + mins[None] * (d * q.sum(-1))[:, None]).sum(-1)
 
 
 def test_the_reference_is_its_stated_arithmetic() -> None:
