@@ -65,7 +65,7 @@ def test_a_prompt_alone_gets_the_batchs_tokens(eager: tuple) -> None:
 
 def test_the_numerics_are_named(eager: tuple) -> None:
     _, _, numerics, summary = eager
-    assert "int4 x120 + int8 x1: int8 activations per group of 32" in numerics
+    assert "int4 x120 + int8 x1: 16-bit activations per group of 32" in numerics
     assert "hyloop panels" in numerics
     assert f"numerics       weights=auto float32: {numerics}" in summary
     assert "never timed" in summary

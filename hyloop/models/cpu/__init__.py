@@ -74,7 +74,7 @@ class CpuKernels:
         if quant:
             where = "hyloop panels" if self.native else "torch reference"
             kinds = " + ".join(f"{k} x{n}" for k, n in sorted(quant.items()))
-            parts.append(f"{kinds}: int8 activations per group of 32, integer dots ({where})")
+            parts.append(f"{kinds}: 16-bit activations per group of 32, integer dots ({where})")
         dense = Counter((str(m.weight.dtype)[6:], m.kernel) for m in self.layers)
         dense.update((str(m.weight.dtype)[6:], "linear") for m in self.plain)
         names = {

@@ -5,7 +5,7 @@ Kernels that round differently must never be chosen between by how fast they ran
 a busy machine and a warm one would compute other tokens. So each mode names one computation,
 and the rule below only says which implementation of it runs here:
 
-- a weight-only int4 / int8 Linear: 8-bit activations per group of 32 (``quant.reference``),
+- a weight-only int4 / int8 Linear: 16-bit activations per group of 32 (``quant.reference``),
   on hyloop's panels where the CPU kernels are loaded, on torch's reference ops elsewhere (the
   same bits);
 - a dense float32 / bfloat16 Linear (``model.cpu_kernels=auto``): hyloop's panel GEMM

@@ -1,5 +1,6 @@
 // A GEMM's input rows held in its weight kind's format (panels.h: ``Rows``): float32 rows,
-// bfloat16 rows (even length), or int8 codes per group of 32 with their scales and sums.
+// bfloat16 rows (even length), or 16-bit codes (as int8 halves) per group of 32 with their
+// scales and sums.
 #pragma once
 
 #include "panels.h"
@@ -32,7 +33,7 @@ class RowsBuffer {
       case panels::kI4:
       case panels::kI8: {
         const int64_t groups = k / panels::kGroup;
-        q_.resize(m * k);
+        q_.resize(m * 2 * k);  // 16-bit codes as two int8 halves
         scale_.resize(m * groups);
         fsum_.resize(m * groups);
         isum_.resize(m * groups);
@@ -62,7 +63,7 @@ class RowsBuffer {
       case panels::kI4:
       case panels::kI8: {
         const int64_t groups = k_ / panels::kGroup, g0 = c0 / panels::kGroup;
-        panels::quantize_row(src, n, q_.data() + i * k_ + c0, scale_.data() + i * groups + g0,
+        panels::quantize_row(src, n, q_.data() + 2 * (i * k_ + c0), scale_.data() + i * groups + g0,
                              fsum_.data() + i * groups + g0, isum_.data() + i * groups + g0);
         break;
       }
@@ -105,7 +106,7 @@ class RowsBuffer {
         r.scale = scale_.data();
         r.fsum = fsum_.data();
         r.isum = isum_.data();
-        r.ld = k_;
+        r.ld = 2 * k_;
         break;
     }
     return r;

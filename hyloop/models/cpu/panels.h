@@ -16,15 +16,17 @@
 //          the chunk layout above without nibbles), then 16 fp32 scales: w = code * scale
 //
 // Activations enter as ``Rows`` in the weight's format: float32 rows, bfloat16 rows, or (the
-// integer kinds) int8 codes per group of 32 with a scale, the group's exact float sum (the
-// int4 minimum term) and its integer sum (the int8 offset of 128).
+// integer kinds) 16-bit codes per group of 32 with a scale, the group's sum as its codes hold
+// it (the int4 minimum term) and its integer code sum (the int8 offset of 128). A code
+// c = 256 h + l is held as two int8 halves (h in [-127, 127], l in [-128, 127]; per group 32 h
+// then 32 l), so each half is vpdpbusd's signed operand and the dot is 256 * dot(h) + dot(l).
 //
 // Every output element is one sequential chain over k (or over groups), whatever the tile
 // shape and the row count, so a row's result is bit-identical alone, batched, or in a prefill.
 // The integer kinds' chain is the quantized modes' definition (``quant/reference.py`` computes
 // it in torch, bit for bit): groups in order, per group one fused multiply-add of the exact
-// integer dot and (weight scale * activation scale, rounded once), then for int4 one of the
-// weight minimum and the activation group's float sum.
+// integer dot (converted to float32 once, to nearest even) and (weight scale * activation
+// scale, rounded once), then for int4 one of the weight minimum and the activation group's sum.
 // AVX-512 (with VNNI and BF16 where present) runs the tiles; elsewhere portable loops compute
 // the same thing (bfloat16 pairs as two fused multiply-adds, the odd k first, as vdpbf16ps adds
 // them; a product of two bfloat16 values is exact in float32, so each is one rounded add).
@@ -113,15 +115,19 @@ struct Rows {
   int64_t m = 0, k = 0, ld = 0;
   const float* f32 = nullptr;
   const c10::BFloat16* bf16 = nullptr;
-  const int8_t* q = nullptr;      // [m][ld] int8 codes
+  const int8_t* q = nullptr;      // [m][ld = 2k] per group of 32: the codes' h halves, l halves
   const float* scale = nullptr;   // [m][k / 32]
   const float* fsum = nullptr;    // [m][k / 32] each group's sum as its codes hold it: scale * isum
   const int32_t* isum = nullptr;  // [m][k / 32] sum of each group's codes
 };
 
-// Quantize `k` values (float or bfloat16) per group of 32: codes, scales, code sums and the
-// group's sum as the codes hold it (scale * code sum, one rounding), so an int4 layer's minimum
-// term sees the same quantized activations as its codes term and the two errors stay centred.
+// The largest activation code: 127 * 256, so a code's high half stays in [-127, 127].
+constexpr float kCodeMax = 32512.0f;
+
+// Quantize `k` values (float or bfloat16) per group of 32 (``q`` gets 2k bytes): 16-bit codes
+// as their two halves, scales, code sums and the group's sum as the codes hold it (scale * code
+// sum, one rounding), so an int4 layer's minimum term sees the same quantized activations as
+// its codes term and the two errors stay centred.
 template <typename T>
 inline void quantize_row(const T* x, int64_t k, int8_t* q, float* scale, float* fsum,
                          int32_t* isum) {
@@ -129,11 +135,13 @@ inline void quantize_row(const T* x, int64_t k, int8_t* q, float* scale, float* 
     const T* v = x + g * kGroup;
     float amax = 0.0f;
     for (int64_t j = 0; j < kGroup; ++j) amax = std::max(amax, std::abs(static_cast<float>(v[j])));
-    const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+    const float d = amax / kCodeMax, inv = d > 0.0f ? 1.0f / d : 0.0f;
     int32_t s = 0;
     for (int64_t j = 0; j < kGroup; ++j) {
-      const auto c = static_cast<int8_t>(std::nearbyint(static_cast<float>(v[j]) * inv));
-      q[g * kGroup + j] = c;
+      const auto c = static_cast<int32_t>(std::nearbyint(static_cast<float>(v[j]) * inv));
+      const int32_t h = (c + 128) >> 8;  // floor: c - 256 h lands in [-128, 127]
+      q[2 * g * kGroup + j] = static_cast<int8_t>(h);
+      q[2 * g * kGroup + kGroup + j] = static_cast<int8_t>(c - 256 * h);
       s += c;
     }
     scale[g] = d;
@@ -318,6 +326,16 @@ inline void tile_bf16(const Rows& x, int64_t m0, const uint8_t* w, int64_t strid
 #endif
 }
 
+// Activation code j of a group held as halves (``grp``: 32 h then 32 l).
+inline int32_t code_at(const int8_t* grp, int64_t j) { return 256 * grp[j] + grp[kGroup + j]; }
+
+#ifdef HYLOOP_P512_VNNI
+// The dot over a group from its two halves' dots: 256 * dot(h) + dot(l), exact in int32.
+inline __m512i join_halves(__m512i h, __m512i l) {
+  return _mm512_add_epi32(_mm512_slli_epi32(h, 8), l);
+}
+#endif
+
 template <int MR, int NP>
 inline void tile_i4(const Rows& x, int64_t m0, const uint8_t* w, int64_t stride, bool half,
                     float (*tile)[NP][kCols]) {
@@ -332,23 +350,25 @@ inline void tile_i4(const Rows& x, int64_t m0, const uint8_t* w, int64_t stride,
   const __m512i low = _mm512_set1_epi8(0x0F);
   if constexpr (MR == 1) {
     // One row: each panel's codes are unpacked and used at once (holding NP panels' unpacked
-    // codes for several rows would spill), the row's eight broadcasts shared by the panels.
+    // codes for several rows would spill), the row's broadcasts shared by the panels.
     for (int64_t g = 0; g < G; ++g) {
-      const auto* xr = reinterpret_cast<const int32_t*>(xq + g * kGroup);
-      __m512i xb[8];
-      for (int c = 0; c < 8; ++c) xb[c] = _mm512_set1_epi32(xr[c]);
+      const auto* xr = reinterpret_cast<const int32_t*>(xq + 2 * g * kGroup);  // h: 0-7, l: 8-15
       const __m512 d = _mm512_set1_ps(xd[g]), s = _mm512_set1_ps(xs[g]);
       for (int p = 0; p < NP; ++p) {
         const uint8_t* b = w + p * stride + g * block;
         for (int64_t line = 0; line < block; line += 64)
           _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchGroups * block + line), _MM_HINT_T0);
-        __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+        __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;  // four short chains
         for (int c = 0; c < 4; ++c) {
           const __m512i v = _mm512_loadu_si512(b + 64 * c);
-          lo = _mm512_dpbusd_epi32(lo, _mm512_and_si512(v, low), xb[c]);
-          hi = _mm512_dpbusd_epi32(hi, _mm512_and_si512(_mm512_srli_epi16(v, 4), low), xb[4 + c]);
+          const __m512i a = _mm512_and_si512(v, low), e = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+          h0 = _mm512_dpbusd_epi32(h0, a, _mm512_set1_epi32(xr[c]));
+          h1 = _mm512_dpbusd_epi32(h1, e, _mm512_set1_epi32(xr[4 + c]));
+          l0 = _mm512_dpbusd_epi32(l0, a, _mm512_set1_epi32(xr[8 + c]));
+          l1 = _mm512_dpbusd_epi32(l1, e, _mm512_set1_epi32(xr[12 + c]));
         }
-        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi));
+        const __m512i h = _mm512_add_epi32(h0, h1), l = _mm512_add_epi32(l0, l1);
+        const __m512 dot = _mm512_cvtepi32_ps(join_halves(h, l));
         acc[0][p] = _mm512_fmadd_ps(dot, _mm512_mul_ps(load_scales(b + 256, half), d), acc[0][p]);
         acc[0][p] = _mm512_fmadd_ps(load_scales(b + 256 + kCols * sb, half), s, acc[0][p]);
       }
@@ -372,17 +392,16 @@ inline void tile_i4(const Rows& x, int64_t m0, const uint8_t* w, int64_t stride,
       mn[p] = load_scales(b + 256 + kCols * sb, half);
     }
     for (int m = 0; m < MR; ++m) {
-      const auto* xr = reinterpret_cast<const int32_t*>(xq + m * x.ld + g * kGroup);
+      const auto* xr = reinterpret_cast<const int32_t*>(xq + m * x.ld + 2 * g * kGroup);
       const __m512 d = _mm512_set1_ps(xd[m * G + g]);
       const __m512 s = _mm512_set1_ps(xs[m * G + g]);
       for (int p = 0; p < NP; ++p) {
-        __m512i lo = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[p][0], _mm512_set1_epi32(xr[0]));
-        __m512i hi = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[p][4], _mm512_set1_epi32(xr[4]));
-        for (int c = 1; c < 4; ++c) {
-          lo = _mm512_dpbusd_epi32(lo, codes[p][c], _mm512_set1_epi32(xr[c]));
-          hi = _mm512_dpbusd_epi32(hi, codes[p][4 + c], _mm512_set1_epi32(xr[4 + c]));
+        __m512i h = _mm512_setzero_si512(), l = _mm512_setzero_si512();
+        for (int c = 0; c < 8; ++c) {
+          h = _mm512_dpbusd_epi32(h, codes[p][c], _mm512_set1_epi32(xr[c]));
+          l = _mm512_dpbusd_epi32(l, codes[p][c], _mm512_set1_epi32(xr[8 + c]));
         }
-        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi));
+        const __m512 dot = _mm512_cvtepi32_ps(join_halves(h, l));
         acc[m][p] = _mm512_fmadd_ps(dot, _mm512_mul_ps(sc[p], d), acc[m][p]);
         acc[m][p] = _mm512_fmadd_ps(mn[p], s, acc[m][p]);
       }
@@ -397,12 +416,13 @@ inline void tile_i4(const Rows& x, int64_t m0, const uint8_t* w, int64_t stride,
         float acc = 0.0f;
         for (int64_t g = 0; g < G; ++g) {
           const uint8_t* b = w + p * stride + g * block;
+          const int8_t* grp = xq + m * x.ld + 2 * g * kGroup;
           int32_t dot = 0;
           for (int64_t c = 0; c < 4; ++c)
             for (int64_t r = 0; r < 4; ++r) {
               const uint8_t byte = b[c * 64 + j * 4 + r];
-              dot += (byte & 0x0F) * xq[m * x.ld + g * kGroup + 4 * c + r];
-              dot += (byte >> 4) * xq[m * x.ld + g * kGroup + 16 + 4 * c + r];
+              dot += (byte & 0x0F) * code_at(grp, 4 * c + r);
+              dot += (byte >> 4) * code_at(grp, 16 + 4 * c + r);
             }
           const float sc = get_scale(b + 256, j, half), mn = get_scale(b + 256 + kCols * sb, j, half);
           acc = std::fma(static_cast<float>(dot), sc * xd[m * G + g], acc);
@@ -433,18 +453,18 @@ inline void tile_i8(const Rows& x, int64_t m0, const uint8_t* w, int64_t stride,
       sc[p] = _mm512_loadu_ps(b + 512);
     }
     for (int m = 0; m < MR; ++m) {
-      const auto* xr = reinterpret_cast<const int32_t*>(xq + m * x.ld + g * kGroup);
+      const auto* xr = reinterpret_cast<const int32_t*>(xq + m * x.ld + 2 * g * kGroup);
       const __m512 d = _mm512_set1_ps(xd[m * G + g]);
       const __m512i off = _mm512_set1_epi32(128 * xi[m * G + g]);
       for (int p = 0; p < NP; ++p) {
         const uint8_t* b = w + p * stride + g * block;
-        __m512i s0 = _mm512_sub_epi32(_mm512_setzero_si512(), off), s1 = _mm512_setzero_si512();
-        for (int c = 0; c < 8; c += 2) {
-          s0 = _mm512_dpbusd_epi32(s0, _mm512_loadu_si512(b + 64 * c), _mm512_set1_epi32(xr[c]));
-          s1 = _mm512_dpbusd_epi32(s1, _mm512_loadu_si512(b + 64 * c + 64),
-                                   _mm512_set1_epi32(xr[c + 1]));
+        __m512i h = _mm512_setzero_si512(), l = _mm512_setzero_si512();
+        for (int c = 0; c < 8; ++c) {
+          const __m512i v = _mm512_loadu_si512(b + 64 * c);
+          h = _mm512_dpbusd_epi32(h, v, _mm512_set1_epi32(xr[c]));
+          l = _mm512_dpbusd_epi32(l, v, _mm512_set1_epi32(xr[8 + c]));
         }
-        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(join_halves(h, l), off));
         acc[m][p] = _mm512_fmadd_ps(dot, _mm512_mul_ps(sc[p], d), acc[m][p]);
       }
     }
@@ -458,11 +478,11 @@ inline void tile_i8(const Rows& x, int64_t m0, const uint8_t* w, int64_t stride,
         float acc = 0.0f;
         for (int64_t g = 0; g < G; ++g) {
           const uint8_t* b = w + p * stride + g * block;
+          const int8_t* grp = xq + m * x.ld + 2 * g * kGroup;
           int32_t dot = 0;
           for (int64_t c = 0; c < 8; ++c)
             for (int64_t r = 0; r < 4; ++r)
-              dot += (static_cast<int32_t>(b[c * 64 + j * 4 + r]) - 128) *
-                     xq[m * x.ld + g * kGroup + 4 * c + r];
+              dot += (static_cast<int32_t>(b[c * 64 + j * 4 + r]) - 128) * code_at(grp, 4 * c + r);
           acc = std::fma(static_cast<float>(dot), get_scale(b + 512, j, false) * xd[m * G + g], acc);
         }
         tile[m][p][j] = acc;

@@ -1,5 +1,5 @@
 """Linear layers over weight-only int4 / int8 weights, computing the quantized modes' numerics
-(``quant.reference``: 8-bit activations per group of 32, integer dot products, one stated chain
+(``quant.reference``: 16-bit activations per group of 32, integer dot products, one stated chain
 of float32 roundings over the groups).
 
 - ``Int4Linear``: 4-bit codes in groups of 32 along the input, a scale and a minimum per group

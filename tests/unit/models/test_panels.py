@@ -31,7 +31,7 @@ def _q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What the integer kernels do to activations: codes, scale and the sum the codes hold
     (scale * code sum) per group of 32."""
     g = x.float().reshape(x.shape[0], -1, 32)
-    d = g.abs().amax(-1) / 127
+    d = g.abs().amax(-1) / 32512
     inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
     q = torch.round(g * inv[..., None])
     return q.double(), d.double(), (d * q.sum(-1)).double()
