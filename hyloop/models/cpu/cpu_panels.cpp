@@ -1,7 +1,7 @@
 // Operators over panel weights (panels.h gives the layouts): packing at load time and
 // panel_linear, a Linear's GEMM on its panels for any row count (cpu_ops.py gives each op's
-// contract). The rows' format (float32, bfloat16, or int8 per group) is prepared once per call
-// and the panels are split over a team of threads (cpu_pool.h).
+// contract). The rows' format (float32, bfloat16, or 16-bit codes per group) is prepared once
+// per call and the panels are split over a team of threads (cpu_pool.h).
 
 #include "cpu_pool.h"
 #include "panels.h"

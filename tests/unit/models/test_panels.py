@@ -1,5 +1,5 @@
 """hyloop's panel GEMMs (``panels.h``, ``hyloop::panel_linear``): float32 and bfloat16 panels
-against ``F.linear``, int4 / int8 panels against a float64 reference of their arithmetic (8-bit
+against ``F.linear``, int4 / int8 panels against a float64 reference of their arithmetic (16-bit
 activations per group of 32, integer dot products), a row's result the same alone, batched or
 in a prefill, odd shapes, split (gate/up) panels, bad input, compiled calls, and the layers
 holding their weight once."""
