@@ -179,7 +179,7 @@ def build_engine(cfg: EngineConfig, loaded: LoadedModel | None = None) -> Engine
     if tokenizer is not None:
         tokenizer.eos_ids = tokenizer.eos_ids or list(loaded.eos_token_ids)
         tokenizer.name_or_path = cfg.model.tokenizer or cfg.model.path or loaded.source
-    scheduler = Scheduler(cache, cfg.scheduler, max_running, fence, tokenizer)
+    scheduler = Scheduler(cache, cfg.scheduler, max_running, fence, tokenizer, kind.features)
     recorder = StepRecorder(DeviceClock(device), lambda: graphs.capture_seconds)
     pipeline = StepPipeline(kind, graphs, scheduler, fence, recorder)
     derived = Derived(

@@ -23,10 +23,15 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
-from hyloop.framework.features.base import is_integer, is_number
 from hyloop.framework.outputs import Logprob, RequestOutput
 from hyloop.framework.prompts import as_batch, cache_salt
-from hyloop.framework.sampling_params import NotSupportedError, RequestOutputKind, SamplingParams
+from hyloop.framework.sampling_params import (
+    NotSupportedError,
+    RequestOutputKind,
+    SamplingParams,
+    is_integer,
+    is_number,
+)
 
 if TYPE_CHECKING:
     from hyloop.framework.engine import Engine

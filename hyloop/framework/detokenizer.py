@@ -22,8 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from hyloop.framework.features.stop_strings import find_stop, held_back, stop_list
-
 if TYPE_CHECKING:
     from hyloop.framework.requests import Request
 
@@ -113,30 +111,10 @@ def text_of(req: Request, tokenizer: Any) -> IncrementalText:
     return req.text_state
 
 
-def stop_string_hit(req: Request, tokenizer: Any) -> str | None:
-    """The stop string ``req``'s newest token completed (its text then cut as vLLM cuts it), or
-    None. Called once per appended token, and not for a token that already stopped it."""
-    p = req.params
-    if not p.stop or not has_text(req, tokenizer):
-        return None
-    state = text_of(req, tokenizer)
-    before = len(state.text)
-    state.take(tokenizer, req.output_ids)
-    if len(req.output_ids) <= p.min_tokens:
-        return None  # vLLM checks no stop string within min_tokens
-    new_chars = len(state.text) - before
-    hit = find_stop(state.text, new_chars, stop_list(p), p.include_stop_str_in_output)
-    if hit is None:
-        return None
-    stop, cut = hit
-    if cut >= 0:
-        state.text = state.text[:cut]
-    return stop
-
-
 def output_text(req: Request, tokenizer: Any, finished: bool, delta: bool) -> str:
     """``req``'s text for its next output: all of it, or (``delta``) what is new since the last
-    one. A running output holds back a partial character and a possible partial stop string."""
+    one. A running output holds back a partial character, and ``req.text_hold`` characters a
+    feature may still cut (the start of a stop string)."""
     if not has_text(req, tokenizer):
         return ""
     p, state = req.params, text_of(req, tokenizer)
@@ -149,7 +127,7 @@ def output_text(req: Request, tokenizer: Any, finished: bool, delta: bool) -> st
         end = len(state.text)
     else:
         state.take(tokenizer, req.output_ids)
-        end = max(0, len(state.text) - held_back(p))
+        end = max(0, len(state.text) - req.text_hold)
     if not delta:
         return state.text[:end]
     start = req.text_emitted

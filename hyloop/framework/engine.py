@@ -16,11 +16,11 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from hyloop.cache.lease import RequestCache
+from hyloop.features.base import RequestContext
 from hyloop.framework.config import EngineConfig
 from hyloop.framework.engine_args import EngineArgs, EngineConfigs
 from hyloop.framework.engine_stats import check_engine, engine_stats
 from hyloop.framework.faults import ENGINE_FAULTS, stop_engine
-from hyloop.framework.features import RequestContext
 from hyloop.framework.loops import OverlapLoop, SyncLoop
 from hyloop.framework.outputs import RequestOutput
 from hyloop.framework.parallel import ParallelSamples, forks_of

@@ -66,6 +66,7 @@ class Request:
     cache_salt: str | None = None  # its cache namespace (a prompt's ``cache_salt``)
     num_emitted: int = 0  # output tokens handed out so far (``delta`` outputs start here)
     text_emitted: int = 0  # characters of output text handed out so far
+    text_hold: int = 0  # trailing characters a running output holds back (a feature may cut)
     text_state: IncrementalText | None = None  # its text so far (``detokenizer``)
     # Multi-channel models: prompt rows [L, C]; prompt_ids / output_ids then hold row keys.
     prompt_rows: torch.Tensor | None = None

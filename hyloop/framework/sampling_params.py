@@ -10,15 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from hyloop.framework.features import FEATURES
-from hyloop.framework.features.base import (
-    FLOAT32_MAX,
-    INT32_MAX,
-    bad,
-    is_float32,
-    is_integer,
-    is_number,
-)
+from hyloop.framework import FEATURES
+
+# Per-request values reach the step as float32 / int32 tensors: a value past these would not
+# convert, so it is refused by name, never as a failed tensor copy later.
+FLOAT32_MAX = 3.4028234663852886e38
+INT32_MAX = 2**31 - 1
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -80,6 +77,23 @@ def generation_defaults(source: str, model_path: str) -> dict[str, Any]:
             continue
         out[name] = value
     return out
+
+
+def bad(where: str, name: str, value: object, expected: str) -> ValueError:
+    return ValueError(f"{where}.{name}: got {value!r}; expected {expected}")
+
+
+def is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def is_integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_float32(value: object) -> bool:
+    """A number that is neither NaN nor beyond float32's finite range."""
+    return is_number(value) and abs(value) <= FLOAT32_MAX  # type: ignore[operator]
 
 
 class NotSupportedError(ValueError):
@@ -213,7 +227,8 @@ class SamplingParams:
             if not isinstance(self.frame, FrameSamplingParams):
                 raise bad(where, "frame", self.frame, "a FrameSamplingParams or None")
             self.frame.validate(f"{where}.frame")
-        for flag in ("ignore_eos", "detokenize", "skip_special_tokens"):
+        flags = ("ignore_eos", "detokenize", "skip_special_tokens", "include_stop_str_in_output")
+        for flag in (*flags, "spaces_between_special_tokens"):
             if not isinstance(getattr(self, flag), bool):
                 raise bad(where, flag, getattr(self, flag), "a bool")
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
@@ -224,7 +239,19 @@ class SamplingParams:
         ):
             raise bad(where, "stop_token_ids", self.stop_token_ids, "a list of ints")
         for feature in FEATURES:
-            feature.validate(self, where)
+            if self.sets_any(feature.fields):
+                feature.validate(self, where)
+
+    def sets_any(self, fields: dict[str, object] | None) -> bool:
+        """Whether any of ``fields`` is set away from its neutral value (None: assume so). A
+        value of another type than its neutral one counts as set, so it is checked."""
+        if fields is None:
+            return True
+        for name, neutral in fields.items():
+            value = getattr(self, name)
+            if value is not neutral and (type(value) is not type(neutral) or value != neutral):
+                return True
+        return False
 
 
 SamplingParams.__struct_fields__ = tuple(f.name for f in dataclasses.fields(SamplingParams))

@@ -20,12 +20,11 @@ import logging
 import os
 import time
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hyloop.cache import RadixKey
 from hyloop.cache.lease import RequestCache
 from hyloop.framework.config import SchedulerSection
-from hyloop.framework.detokenizer import stop_string_hit
 from hyloop.framework.faults import bare_output, describe, is_engine_fault
 from hyloop.framework.outputs import RequestOutput
 from hyloop.framework.requests import Batch, Chunk, Request, Status, request_output
@@ -34,6 +33,9 @@ from hyloop.framework.step_logprobs import prompt_entries, sampled_entry
 from hyloop.graphs.capture import Outlook
 from hyloop.graphs.step_batch import StepOutput
 from hyloop.pools import LedgerError, StepFence
+
+if TYPE_CHECKING:
+    from hyloop.features.base import Feature
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +52,10 @@ class Scheduler:
         max_running: int,
         fence: StepFence,
         tokenizer: Any,
+        features: list[Feature],
     ) -> None:
         self.cache = cache
+        self.features = features  # the step kind's (``stop_hit`` of those a request uses)
         self.fence = fence
         self.tokenizer = tokenizer
         self.max_running = max_running
@@ -257,9 +261,11 @@ class Scheduler:
             reason = "length"
         elif tok in req.stop_ids:
             req.stop_reason, reason = (tok if tok in req.stop_reasons else None), "stop"
-        # then the stop strings, on the text: past a length stop, never past a stop token
-        if reason != "stop" and (hit := stop_string_hit(req, self.tokenizer)) is not None:
-            req.stop_reason, reason = hit, "stop"
+        # then the features' stops (stop strings): past a length stop, never past a stop token
+        for f in self.features if req.features and reason != "stop" else ():
+            if f.name in req.features and (hit := f.stop_hit(req, self.tokenizer)) is not None:
+                req.stop_reason, reason = hit, "stop"
+                break
         if reason is not None:
             self.finish(req, reason)
         elif req.params.output_kind is not RequestOutputKind.FINAL_ONLY:

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from hyloop.cache.lease import Lease
-from hyloop.framework.features import FEATURES, Feature, RequestContext, table_with
+from hyloop.features.base import Feature, RequestContext, table_with
+from hyloop.framework import FEATURES
 from hyloop.framework.requests import Batch, Chunk, Request, Status
 from hyloop.framework.sampling_params import SamplingParams
 from hyloop.graphs.capture import ArtifactKey
@@ -128,8 +129,11 @@ class StepKind:
         return cap, min(nlp, self.vocab_size), bits
 
     def attach(self, req: Request, ctx: RequestContext, where: str) -> None:
-        """What each feature keeps of the new request ``req`` (``req.features``)."""
+        """What each feature keeps of the new request ``req`` (``req.features``); a feature
+        none of whose fields the request sets is not asked."""
         for f in self.features:
+            if not req.params.sets_any(f.fields):
+                continue
             state = f.attach(req, ctx, where)
             if state is not None:
                 req.features[f.name] = state
@@ -167,7 +171,7 @@ class StepKind:
         table, req = self.pools.requests, chunk.req
         assert table is not None
         row = _lease(chunk).req_row
-        if table.take(row, req):
+        if table.take(row, req, req.features):
             for f in self.features:
                 if f.name in req.features:
                     f.take(table, row, req.features[f.name])

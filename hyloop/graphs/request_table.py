@@ -7,7 +7,7 @@ when it takes its req->token row (``take``), and a step reads them through its `
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -23,6 +23,7 @@ class Column:
     of: Callable[[Any], Any] | None  # the request's value (host); None: reset to ``pad``
     shape: tuple[int | str, ...]  # trailing dims; a str names a dim given to ``allocate``
     marks: bool = False  # ``of`` gives the indices of a ``[n]`` row that hold 1 (the rest pad)
+    owner: str | None = None  # the feature it belongs to: a request not using it takes ``pad``
 
 
 def column(
@@ -65,19 +66,22 @@ class RequestTable:
         table._owner = [None] * rows
         return table
 
-    def take(self, row: int, req: Any) -> bool:
-        """``req`` holds ``row`` now: write its values there (host, once per request); False
-        when it held it already."""
+    def take(self, row: int, req: Any, uses: Container[str] = ()) -> bool:
+        """``req`` holds ``row`` now: write its values there (host, once per request); a column
+        of a feature not in ``uses`` takes its pad value. False when it held it already."""
         if self._owner[row] is req:
             return False
         self._owner[row] = req
         for name, c in self.columns().items():
             t: torch.Tensor = getattr(self, name)
-            value = c.pad if c.of is None else c.of(req)
-            value = c.pad if value is None else value
+            skip = c.of is None or (c.owner is not None and c.owner not in uses)
+            value = None if skip else c.of(req)
             if c.marks:
                 t[row] = c.pad
-                t[row, torch.as_tensor(value, dtype=torch.int64, device=t.device)] = 1
+                if value is not None and len(value):
+                    t[row, torch.as_tensor(value, dtype=torch.int64, device=t.device)] = 1
+            elif value is None:
+                t[row] = c.pad
             elif isinstance(value, int | float):
                 t[row] = value
             else:

@@ -8,8 +8,8 @@ import json
 import reprlib
 from typing import Any
 
-from hyloop.framework.structured import compile_grammar
-from hyloop.framework.structured_params import CONSTRAINTS, StructuredOutputsParams, as_structured
+from hyloop.features.grammar import compile_grammar
+from hyloop.features.structured_params import CONSTRAINTS, StructuredOutputsParams, as_structured
 
 # vLLM's older body fields for one constraint each: the StructuredOutputsParams field they set.
 GUIDED = {f"guided_{name}": name for name in ("json", "regex", "choice", "grammar")}

@@ -111,7 +111,7 @@ def test_logit_bias_and_bad_words(llm: LLM, hf: torch.nn.Module, prompts: Any) -
     # " Paris" / a word of the plain continuation, banned as vLLM tokenizes bad words
     word = llm.tokenizer.decode(plain[1][1:3]).strip()
     got = ours(llm, prompts, bad_words=[word])
-    from hyloop.framework.features.logits_controls import bad_word_ids
+    from hyloop.features.logits_controls import bad_word_ids
 
     banned = bad_word_ids([word], llm.tokenizer, "t")
     assert all(len(w) <= 2 for w in banned)

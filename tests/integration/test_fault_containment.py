@@ -102,13 +102,13 @@ def raise_for_target(calls: int) -> Callable[[Any], None]:
 def inject(engine: Engine, where: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if where == "stop check":  # resolve side, after its 4th token
         check = raise_for_target(4)
-        real = scheduler_module.stop_string_hit
+        real = scheduler_module.Scheduler._resolve_one
 
-        def stop_string_hit(req: Any, tokenizer: Any) -> Any:
-            check(req)
-            return real(req, tokenizer)
+        def resolve_one(self: Any, batch: Any, i: int, *args: Any) -> Any:
+            check(batch.chunks[i].req)
+            return real(self, batch, i, *args)
 
-        monkeypatch.setattr(scheduler_module, "stop_string_hit", stop_string_hit)
+        monkeypatch.setattr(scheduler_module.Scheduler, "_resolve_one", resolve_one)
     elif where == "window pages":  # prepare side, its 3rd step
         check = raise_for_target(3)
         real_advance = engine.cache.advance_window
@@ -253,14 +253,15 @@ ROWS = [[5, 6, 7, 8], [90] * 20, [1, 2, 3], [200, 201, 202]]
 
 
 def fail_stop_check_of(monkeypatch: pytest.MonkeyPatch, request_id: Callable[[str], bool]) -> None:
-    real = scheduler_module.stop_string_hit
+    real = scheduler_module.Scheduler._resolve_one
 
-    def stop_string_hit(req: Any, tokenizer: Any) -> Any:
+    def resolve_one(self: Any, batch: Any, i: int, *args: Any) -> Any:
+        req = batch.chunks[i].req
         if request_id(req.request_id) and len(req.output_ids) == 2:
             raise RuntimeError("injected stop-check failure")
-        return real(req, tokenizer)
+        return real(self, batch, i, *args)
 
-    monkeypatch.setattr(scheduler_module, "stop_string_hit", stop_string_hit)
+    monkeypatch.setattr(scheduler_module.Scheduler, "_resolve_one", resolve_one)
 
 
 def test_generate_writes_the_failed_request_as_its_rows_error(

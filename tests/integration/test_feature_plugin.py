@@ -17,7 +17,7 @@ import torch
 from conftest import TINY_DENSE, build_hf_checkpoint
 
 from hyloop import LLM, SamplingParams
-from hyloop.framework.features import Feature, RequestContext, register
+from hyloop.features import Feature, RequestContext, register
 from hyloop.graphs.capture import ArtifactKey
 from hyloop.graphs.request_table import column
 from hyloop.graphs.step_batch import StepBatch

@@ -16,9 +16,9 @@ import pytest
 
 from hyloop import LLM, SamplingParams
 from hyloop.compat import vllm as alias
+from hyloop.features.grammar import GrammarMatcher, grammar_tokenizer
 from hyloop.framework.engine_args import EngineArgs
 from hyloop.framework.sampling_params import NotSupportedError
-from hyloop.framework.structured import GrammarMatcher, grammar_tokenizer
 from hyloop.sampling_params import GuidedDecodingParams, StructuredOutputsParams
 from hyloop.transformers_utils.tokenizer import get_tokenizer
 

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, decoders, models
 
 from hyloop import SamplingParams
-from hyloop.framework.detokenizer import IncrementalText, stop_string_hit
-from hyloop.framework.features.stop_strings import check_stop_request, find_stop, held_back
+from hyloop.features.stop_strings import check_stop_request, find_stop, held_back, stop_string_hit
+from hyloop.framework.detokenizer import IncrementalText
 from hyloop.framework.requests import Request, Status, request_output
 from hyloop.models.tokenizer import TextTokenizer
 
@@ -49,6 +49,7 @@ def stream(
     """Feed ``ids`` to a request as the scheduler does; returns it and each output's text."""
     req = Request("r", [1], SamplingParams(**params), 0, len(ids), stop_ids)
     req.status, texts = Status.RUNNING, []
+    req.text_hold = held_back(req.params)  # what the stop strings' attach sets
     for t in ids:
         req.output_ids.append(t)
         reason = "length" if len(req.output_ids) >= req.max_new else None

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from hyloop import SamplingParams
+from hyloop.features.grammar import GrammarMatcher, compile_grammar, grammar_tokenizer
 from hyloop.framework.sampling_params import NotSupportedError
-from hyloop.framework.structured import GrammarMatcher, compile_grammar, grammar_tokenizer
 from hyloop.models.tokenizer import TextTokenizer
 from hyloop.sampling_params import StructuredOutputsParams
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hyloop.framework.features.base import (
+from hyloop.features.base import (
     FLOAT32_MAX,
     Feature,
     RequestContext,
@@ -33,6 +33,7 @@ def _prompt_seen(req: Request) -> list[int]:
 
 class Penalties(Feature):
     name = "penalties"
+    fields = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
     flag = "penalized"
     columns = {
         "repetition": column(torch.float32, 1.0, lambda r: r.params.repetition_penalty),

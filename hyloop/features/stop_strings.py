@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from hyloop.framework.features.base import Feature, RequestContext
+from hyloop.features.base import Feature, RequestContext
+from hyloop.framework.detokenizer import has_text, text_of
 
 if TYPE_CHECKING:
     from hyloop.framework.requests import Request
@@ -25,10 +26,11 @@ if TYPE_CHECKING:
 
 
 class StopStrings(Feature):
-    """A host-only feature: the step never sees it; ``detokenizer.stop_string_hit`` matches."""
+    """A host-only feature: the step never sees it; ``stop_hit`` matches each new token's text."""
 
     name = "stop_strings"
     in_step = False
+    fields = {"stop": None}
 
     @classmethod
     def validate(cls, p: SamplingParams, where: str) -> None:
@@ -38,9 +40,6 @@ class StopStrings(Feature):
             raise ValueError(f"{where}.stop: got {stop!r}; expected a str, a list of str or None")
         if isinstance(stop, str | list | tuple) and any(s == "" for s in _strings(stop)):
             raise ValueError(f"{where}.stop: got {stop!r}; expected non-empty strings")
-        for flag in ("include_stop_str_in_output", "spaces_between_special_tokens"):
-            if not isinstance(getattr(p, flag), bool):
-                raise ValueError(f"{where}.{flag}: got {getattr(p, flag)!r}; expected a bool")
         if stop and not p.detokenize:
             raise ValueError(
                 f"{where}.stop: got {stop!r} with detokenize=False; stop strings are matched on "
@@ -49,7 +48,32 @@ class StopStrings(Feature):
 
     def attach(self, req: Request, ctx: RequestContext, where: str) -> Any:
         check_stop_request(where, req.params, ctx.tokenizer is not None and req.prompt_rows is None)
+        req.text_hold = held_back(req.params)
         return stop_list(req.params) or None
+
+    def stop_hit(self, req: Request, tokenizer: Any) -> str | None:
+        return stop_string_hit(req, tokenizer)
+
+
+def stop_string_hit(req: Request, tokenizer: Any) -> str | None:
+    """The stop string ``req``'s newest token completed (its text then cut as vLLM cuts it), or
+    None. Called once per appended token, and not for a token that already stopped it."""
+    p = req.params
+    if not p.stop or not has_text(req, tokenizer):
+        return None
+    state = text_of(req, tokenizer)
+    before = len(state.text)
+    state.take(tokenizer, req.output_ids)
+    if len(req.output_ids) <= p.min_tokens:
+        return None  # vLLM checks no stop string within min_tokens
+    new_chars = len(state.text) - before
+    hit = find_stop(state.text, new_chars, stop_list(p), p.include_stop_str_in_output)
+    if hit is None:
+        return None
+    stop, cut = hit
+    if cut >= 0:
+        state.text = state.text[:cut]
+    return stop
 
 
 def check_stop_request(where: str, p: Any, has_text: bool) -> None:

@@ -21,8 +21,8 @@ import torch
 from llguidance.gbnf_to_lark import gbnf_to_lark
 from tokenizers import Tokenizer
 
+from hyloop.features.structured_params import StructuredOutputsParams
 from hyloop.framework.sampling_params import NotSupportedError
-from hyloop.framework.structured_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from hyloop.models.tokenizer import TextTokenizer

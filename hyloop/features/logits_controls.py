@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hyloop.framework.features.base import (
+from hyloop.features.base import (
     FLOAT32_MAX,
     INT32_MAX,
     Feature,
@@ -46,6 +46,7 @@ def _of(name: str, empty: Any = None) -> Callable[[Request], Any]:
 
 class LogitsControls(Feature):
     name = "logits_controls"
+    fields = {"logit_bias": None, "allowed_token_ids": None, "bad_words": None, "min_tokens": 0}
     flag = "controlled"
     columns = {
         "bias": column(torch.float32, 0.0, _of("bias"), ("vocab",)),

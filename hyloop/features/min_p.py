@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hyloop.framework.features.base import Feature, RequestContext, bad, is_number
+from hyloop.features.base import Feature, RequestContext, bad, is_number
 from hyloop.graphs.request_table import column
 
 if TYPE_CHECKING:
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 class MinP(Feature):
     name = "min_p"
+    fields = {"min_p": 0.0}
     columns = {"min_p": column(torch.float32, 0.0, lambda r: r.params.min_p)}
 
     @classmethod

@@ -1,11 +1,15 @@
 """The protocol every per-request generation feature implements, and what its checks share.
 
-A feature says what a request may ask of it (``validate``), what it keeps of a request that uses
-it (``attach``: None when the request does not), its request-table ``columns`` and, when it acts
+A feature says which request fields it reads (``fields``, with their neutral values), what a
+request may ask of it (``validate``), what it keeps of a request that uses it (``attach``: None
+when the request does not), its request-table ``columns`` (a request not using it takes their
+padding values) and, when it acts
 inside the step, its ``bit`` of the step's static ``features``. The core calls its hooks: in the
 step ``apply`` (the logits before sampling) and ``after_sample``; on the host ``take`` (a request
 takes its table row), ``advance`` (a resolved step's token reaches the request), ``run_ahead``
-(a step is launched before the one it follows is resolved) and ``settle`` (that one is).
+(a step is launched before the one it follows is resolved), ``settle`` (that one is) and
+``stop_hit`` (a stop the request's newest token completed). A request that uses no feature
+calls none of them.
 """
 
 from __future__ import annotations
@@ -16,6 +20,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from hyloop.framework.sampling_params import (  # what every feature's checks share
+    FLOAT32_MAX,
+    INT32_MAX,
+    bad,
+    is_float32,
+    is_integer,
+    is_number,
+)
 from hyloop.graphs.request_table import RequestTable
 
 if TYPE_CHECKING:
@@ -23,10 +35,7 @@ if TYPE_CHECKING:
     from hyloop.framework.sampling_params import SamplingParams
     from hyloop.graphs.step_batch import StepBatch
 
-# Per-request values reach the step as float32 / int32 tensors: a value past these would not
-# convert, so it is refused by name, never as a failed tensor copy later.
-FLOAT32_MAX = 3.4028234663852886e38
-INT32_MAX = 2**31 - 1
+__all__ = ["FLOAT32_MAX", "INT32_MAX", "bad", "is_float32", "is_integer", "is_number"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,9 @@ class Feature:
     """
 
     name: ClassVar[str]
+    # The request fields it reads, each with its neutral value: the core asks a request's
+    # ``validate`` and ``attach`` only when one is set away from it (None: always asks).
+    fields: ClassVar[dict[str, object] | None] = None
     columns: ClassVar[dict[str, Any]] = {}  # name -> ``column(...)`` of the token table
     in_step: ClassVar[bool] = True  # acts inside the step (takes a bit), else host only
     shares_artifact: ClassVar[bool] = True
@@ -87,9 +99,14 @@ class Feature:
     def settle(self) -> None:
         return None
 
+    def stop_hit(self, req: Request, tokenizer: Any) -> str | None:
+        """A stop the newest token of ``req`` completed (its ``stop_reason``), or None."""
+        return None
+
 
 def table_with(base: type[RequestTable], features: list[type[Feature]]) -> type[RequestTable]:
-    """``base`` with the features' columns (``base`` itself when they declare none)."""
+    """``base`` with the features' columns, each owned by its feature (``base`` itself when
+    they declare none)."""
     extra: list[tuple[str, Any, Any]] = []
     taken = {c.name for c in dataclasses.fields(base)}
     for f in features:
@@ -97,25 +114,8 @@ def table_with(base: type[RequestTable], features: list[type[Feature]]) -> type[
             if name in taken:
                 raise TypeError(f"feature {f.name!r}: column {name!r} is taken already")
             taken.add(name)
+            owned = dataclasses.replace(col.metadata["column"], owner=f.name)
             # A fresh field per table: dataclasses write into the field they are given.
-            extra.append(
-                (name, torch.Tensor, dataclasses.field(default=None, metadata=col.metadata))
-            )
+            field = dataclasses.field(default=None, metadata={"column": owned})
+            extra.append((name, torch.Tensor, field))
     return dataclasses.make_dataclass(base.__name__, extra, bases=(base,)) if extra else base
-
-
-def bad(where: str, name: str, value: object, expected: str) -> ValueError:
-    return ValueError(f"{where}.{name}: got {value!r}; expected {expected}")
-
-
-def is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def is_integer(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_float32(value: object) -> bool:
-    """A number that is neither NaN nor beyond float32's finite range."""
-    return is_number(value) and abs(value) <= FLOAT32_MAX  # type: ignore[operator]

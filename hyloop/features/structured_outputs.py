@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hyloop.framework.features.base import Feature, RequestContext
+from hyloop.features.base import Feature, RequestContext
 from hyloop.graphs.request_table import column
 
 if TYPE_CHECKING:
@@ -53,6 +53,7 @@ def _(table: torch.Tensor, rows: torch.Tensor, gate: int) -> torch.Tensor:
 
 class StructuredOutputs(Feature):
     name = "structured_outputs"
+    fields = {"structured_outputs": None, "guided_decoding": None}
     flag = "masked"
     shares_artifact = False  # its wait and host-written rows stay out of the other artifacts
     host_fed = True
@@ -79,8 +80,8 @@ class StructuredOutputs(Feature):
                 f"{where}.guided_decoding: the old name of structured_outputs; set one, not both"
             )
         # llguidance's import takes ~0.1 s, and these import the params module
-        from hyloop.framework.structured import compile_grammar
-        from hyloop.framework.structured_params import as_structured
+        from hyloop.features.grammar import compile_grammar
+        from hyloop.features.structured_params import as_structured
 
         name = f"{where}.{'structured_outputs' if so is not None else 'guided_decoding'}"
         params = as_structured(so if so is not None else gd, name)
@@ -95,7 +96,7 @@ class StructuredOutputs(Feature):
         p = req.params
         if p.structured_outputs is None:
             return None
-        from hyloop.framework.structured import GrammarMatcher, grammar_tokenizer
+        from hyloop.features.grammar import GrammarMatcher, grammar_tokenizer
 
         if ctx.tokenizer is None or req.prompt_rows is not None:
             raise ValueError(f"{where}.structured_outputs: the model has no tokenizer")
