@@ -14,18 +14,18 @@ from hyloop import omp_policy
 omp_policy.apply_default()
 
 if TYPE_CHECKING:
-    from hyloop.framework.engine import Engine as LLMEngine
-    from hyloop.framework.engine_args import EngineArgs
-    from hyloop.framework.llm import LLM
+    from hyloop.api.engine import LLMEngine
+    from hyloop.api.engine_args import EngineArgs
+    from hyloop.api.llm import LLM
     from hyloop.framework.outputs import CompletionOutput, Logprob, RequestOutput
     from hyloop.framework.prompts import PromptType, TextPrompt, TokensPrompt
     from hyloop.framework.sampling_params import RequestOutputKind, SamplingParams
 
 # Lazy: importing a leaf package (hyloop.graphs, hyloop.cache) must not load the engine.
 _EXPORTS = {
-    "LLM": ("hyloop.framework.llm", "LLM"),
-    "LLMEngine": ("hyloop.framework.engine", "Engine"),
-    "EngineArgs": ("hyloop.framework.engine_args", "EngineArgs"),
+    "LLM": ("hyloop.api.llm", "LLM"),
+    "LLMEngine": ("hyloop.api.engine", "LLMEngine"),
+    "EngineArgs": ("hyloop.api.engine_args", "EngineArgs"),
     "SamplingParams": ("hyloop.framework.sampling_params", "SamplingParams"),
     "RequestOutputKind": ("hyloop.framework.sampling_params", "RequestOutputKind"),
     "RequestOutput": ("hyloop.framework.outputs", "RequestOutput"),

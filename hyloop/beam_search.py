@@ -1,6 +1,6 @@
 """vLLM's ``vllm.beam_search`` module path."""
 
-from hyloop.framework.beam_search import (
+from hyloop.api.beam_search import (
     BeamSearchInstance,
     BeamSearchOutput,
     BeamSearchSequence,

@@ -138,7 +138,7 @@ def _main(argv: list[str] | None) -> int:
 def add_run_batch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``run-batch``: vLLM's engine flags (``--max-model-len``, ``--enforce-eager``, ...), the
     batch files, and ``key=value`` overrides like the other subcommands."""
-    from hyloop.framework.engine_args import EngineArgs
+    from hyloop.api.engine_args import EngineArgs
 
     rb = sub.add_parser(
         "run-batch",

@@ -96,7 +96,9 @@ def use_compile_cache() -> Path:
     return Path(os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor")))
 
 
-def build_engine(cfg: EngineConfig, loaded: LoadedModel | None = None) -> Engine:
+def build_engine(
+    cfg: EngineConfig, loaded: LoadedModel | None = None, engine_type: type[Engine] = Engine
+) -> Engine:
     # -- model and its CPU kernels --------------------------------------------------------------
     device = resolve_device(cfg.device)
     backend = resolve_backend(cfg.graphs.backend, device)
@@ -213,7 +215,7 @@ def build_engine(cfg: EngineConfig, loaded: LoadedModel | None = None) -> Engine
         numerics=cpu.numerics() if cpu is not None else f"{cfg.dtype} torch ops on {device}",
     )
     log.info("hyloop assembly: %s", asdict(derived))
-    engine = Engine(cfg, derived, model, tokenizer, kind, graphs, pipeline, recorder)
+    engine = engine_type(cfg, derived, model, tokenizer, kind, graphs, pipeline, recorder)
     trim_heap()  # the load's temporaries, freed, leave the process (``host_memory``)
     return engine
 

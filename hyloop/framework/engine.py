@@ -1,4 +1,5 @@
-"""The engine (vLLM's ``LLMEngine``): requests in, a loop over the step pipeline, outputs out.
+"""The engine: requests in, a loop over the step pipeline, outputs out (vLLM's ``LLMEngine``
+adds what its clients read, ``hyloop.api.engine``).
 
 ``Engine`` holds what assembly built and drives one of two loops over the step pipeline
 (``loops.SyncLoop`` or ``loops.OverlapLoop``). Going from idle to busy it tells the graphs a job
@@ -18,12 +19,10 @@ from typing import TYPE_CHECKING, Any
 from hyloop.cache.lease import RequestCache
 from hyloop.features.base import RequestContext
 from hyloop.framework.config import EngineConfig
-from hyloop.framework.engine_args import EngineArgs, EngineConfigs
 from hyloop.framework.engine_stats import check_engine, engine_stats
 from hyloop.framework.faults import ENGINE_FAULTS, stop_engine
 from hyloop.framework.loops import OverlapLoop, SyncLoop
 from hyloop.framework.outputs import RequestOutput
-from hyloop.framework.parallel import ParallelSamples, forks_of
 from hyloop.framework.pipeline import StepPipeline
 from hyloop.framework.requests import Request, new_request, token_prompt
 from hyloop.framework.sampling_params import NotSupportedError, SamplingParams
@@ -41,8 +40,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class Engine(EngineConfigs):
-    """vLLM-shaped engine: ``add_request`` / ``abort_request`` / ``step`` / ``check_invariants``."""
+class Engine:
+    """``add_request`` / ``abort_request`` / ``step`` / ``check_invariants``."""
 
     def __init__(
         self,
@@ -85,19 +84,8 @@ class Engine(EngineConfigs):
         self._queued: list[Callable[[], None]] = []  # user calls made during a step
         self._queued_ids: set[str] = set()  # adds queued during the step
         self._queued_aborts: set[str] = set()  # aborts queued during the step
-        self._parallel = ParallelSamples()  # the forks of n > 1 requests
 
     # -- requests -------------------------------------------------------------------------------
-    @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> Engine:
-        """vLLM's ``LLMEngine.from_engine_args``: the engine the arguments configure."""
-        from hyloop.framework.assembly import build_engine  # assembly imports this module
-
-        return build_engine(args.create_engine_config())
-
-    def get_tokenizer(self) -> Any:  # vLLM's
-        return self.tokenizer
-
     def add_request(
         self,
         request_id: str,
@@ -113,17 +101,12 @@ class Engine(EngineConfigs):
             raise NotSupportedError(f"request {request_id!r}: lora_request is not supported")
         if self.stopped is not None:
             raise RuntimeError(f"request {request_id!r}: {self.stopped}")
-        if isinstance(sampling_params, SamplingParams) and forks_of(sampling_params) > 1:
-            sampling_params.validate(
-                f"request {request_id!r} sampling_params", self.cfg.model.max_logprobs
-            )
-            return self._add_forks(request_id, prompt, sampling_params, arrival_time)
         req = self._new_request(request_id, prompt, sampling_params)
         if arrival_time is not None:
             req.arrival_time = arrival_time
         with self._lock:
             live = request_id in self.scheduler and request_id not in self._queued_aborts
-            if live or request_id in self._queued_ids or request_id in self._parallel:
+            if live or request_id in self._queued_ids or self._holds(request_id):
                 raise ValueError(f"request {request_id!r}: id already in use")
             # Drawn only once the request is accepted, so a refused one leaves the seed
             # stream of later requests as it was.
@@ -135,31 +118,11 @@ class Engine(EngineConfigs):
             else:
                 self.scheduler.add(req)
 
-    def _add_forks(
-        self, request_id: str, prompt: Any, params: Any, arrival_time: float | None
-    ) -> None:
-        """``n`` samples: ``n`` child requests joined back in ``step`` (``parallel.py``)."""
-        with self._lock:
-            if request_id in self._parallel or request_id in self.scheduler:
-                raise ValueError(f"request {request_id!r}: id already in use")
-            forks = self._parallel.fork(request_id, params)
-        added: list[str] = []
-        try:
-            for child, p in forks:
-                self.add_request(child, prompt, p, arrival_time)
-                added.append(child)
-        except Exception:
-            self.abort_request(added)
-            self._parallel.forget(request_id)
-            raise
-
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Abort a request or several (unknown or finished: a no-op); what it holds is freed
         once no launched step may read it."""
-        if not isinstance(request_id, str) or request_id in self._parallel:
-            with self._lock:
-                ids = self._parallel.children(request_id) if isinstance(request_id, str) else []
-            for rid in ids if isinstance(request_id, str) else list(request_id):
+        if not isinstance(request_id, str):
+            for rid in list(request_id):
                 self.abort_request(rid)
             return
         with self._lock:
@@ -169,6 +132,10 @@ class Engine(EngineConfigs):
                 self._queued.append(lambda: self.scheduler.abort(request_id))
             else:
                 self.scheduler.abort(request_id)
+
+    def _holds(self, request_id: str) -> bool:
+        """An id taken beyond the scheduler's (``hyloop.api.engine``: a parent of forks)."""
+        return False
 
     def default_params(self) -> SamplingParams:
         """vLLM's ``SamplingParams()``, under generation_config.json and ``sampling_defaults``."""
@@ -251,8 +218,6 @@ class Engine(EngineConfigs):
                 self.finished += 1
                 self.aborted += out.outputs[0].finish_reason == "abort"
                 self.failed += out.outputs[0].finish_reason == "error"
-        with self._lock:  # abort_request may read the forks from another thread
-            outputs = self._parallel.join(outputs)
         if not self.has_unfinished_requests() and not self._idle:
             self._idle = True
             self.recorder.pause()  # waiting for new requests is no host time of this loop

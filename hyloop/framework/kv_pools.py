@@ -4,12 +4,16 @@ for every layer that does not keep a pool of its own, and the sliding-window lay
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from hyloop.framework.config import EngineConfig
-from hyloop.framework.engine_args import kv_budget_bytes
 from hyloop.models.contract import ModelContract, place_kv_layers
 from hyloop.pools import KVPool, StepFence, SWAKVPool, SWAWindows
+
+log = logging.getLogger(__name__)
+_MB = 2**20
 
 
 def kv_pools(
@@ -54,3 +58,25 @@ def kv_pools(
             swa_layers, swa_pages, ps, heads, dim, kv.num_slots, window, dtype, device, fence
         )
     return kv
+
+
+def kv_budget_bytes(
+    memory_budget_mb: float, utilization: float | None, device: torch.device | str
+) -> int:
+    """The KV pool's byte budget: ``kv_pool.memory_budget_mb``, or on CUDA with
+    ``kv_pool.gpu_memory_utilization`` set, that share of the device's memory less what is
+    already in use (weights loaded) and a 5% reserve for activations and graph pools."""
+    dev = torch.device(device)
+    if utilization is None:
+        return int(memory_budget_mb * _MB)
+    if dev.type != "cuda":
+        log.info("gpu_memory_utilization=%s has no effect on %s", utilization, dev)
+        return int(memory_budget_mb * _MB)
+    free, total = torch.cuda.mem_get_info(dev)
+    budget = int(utilization * total) - (total - free) - total // 20
+    if budget <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization={utilization}: {(total - free) / _MB:.0f} MiB of "
+            f"{total / _MB:.0f} MiB are in use already; no room for the KV pool"
+        )
+    return budget

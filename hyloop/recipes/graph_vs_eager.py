@@ -21,6 +21,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from tqdm.auto import tqdm
 
+from hyloop.api.llm import LLM
 from hyloop.framework.config import (
     CONFIG_DIR,
     ConfigError,
@@ -28,7 +29,6 @@ from hyloop.framework.config import (
     merge_config,
     validate_config,
 )
-from hyloop.framework.llm import LLM
 from hyloop.framework.sampling_params import SamplingParams
 from hyloop.graphs.capture import pick_bucket, resolve_backend, usable_buckets
 from hyloop.recipes.offline import default_checkpoint

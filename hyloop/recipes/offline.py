@@ -19,9 +19,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hyloop.framework.chat import check_messages, render_chat
-from hyloop.framework.engine_args import EngineArgs
-from hyloop.framework.llm import LLM
+from hyloop.api.chat import check_messages, render_chat
+from hyloop.api.engine_args import EngineArgs
+from hyloop.api.llm import LLM
 from hyloop.framework.outputs import RequestOutput
 from hyloop.framework.prompts import TokensPrompt
 from hyloop.framework.sampling_params import NotSupportedError, SamplingParams

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hyloop.framework.chat import check_messages
+from hyloop.api.chat import check_messages
 from hyloop.framework.sampling_params import NotSupportedError, SamplingParams, is_integer
 from hyloop.recipes.job import check_strings
 from hyloop.recipes.openai_constraints import GUIDED, structured_outputs

@@ -22,8 +22,8 @@ import ray
 import ray.data
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from hyloop.api.llm import LLM
 from hyloop.framework.config import ConfigError, EngineConfig, merge_config, validate_config
-from hyloop.framework.llm import LLM
 from hyloop.framework.sampling_params import SamplingParams
 from hyloop.models.loader import load_tokenizer
 from hyloop.recipes.offline import (

@@ -18,9 +18,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from hyloop.framework.chat import render_chat
-from hyloop.framework.engine_args import EngineArgs
-from hyloop.framework.llm import LLM
+from hyloop.api.chat import render_chat
+from hyloop.api.engine_args import EngineArgs
+from hyloop.api.llm import LLM
 from hyloop.framework.prompts import TokensPrompt
 from hyloop.framework.sampling_params import RequestOutputKind, SamplingParams
 from hyloop.recipes.job import JobSignals, read_input, row_seed

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from hyloop.api.llm import LLM
 from hyloop.framework.config import load_config
-from hyloop.framework.llm import LLM
 from hyloop.graphs.capture import ArtifactKey, resolve_backend
 
 

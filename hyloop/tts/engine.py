@@ -30,8 +30,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from hyloop.api.llm import LLM
 from hyloop.framework.config import EngineConfig
-from hyloop.framework.llm import LLM
 from hyloop.framework.outputs import RequestOutput
 from hyloop.tts.chunker import RequestState, chunk_output, decode_inline
 from hyloop.tts.codec import Codec, CodecStage

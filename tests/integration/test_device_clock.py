@@ -231,7 +231,7 @@ def test_cuda_events_time_every_step(tiny_ckpts: dict[str, Path], lookahead: boo
 
 
 def test_summary_reports_device_time(tiny_ckpts: dict[str, Path]) -> None:
-    from hyloop.framework.summary import render_summary
+    from hyloop.api.summary import render_summary
 
     with LLM(model=tiny_ckpts["llama"], overrides=["graphs.backend=eager"]) as llm:
         assert "device time" not in render_summary(llm)  # CPU: no events, no line

@@ -22,8 +22,8 @@ import pytest
 from pydantic import BaseModel, ConfigDict
 
 from hyloop import LLM, SamplingParams
+from hyloop.api.chat import render_chat
 from hyloop.cli import main
-from hyloop.framework.chat import render_chat
 from hyloop.recipes import run_batch
 from hyloop.recipes.openai_batch import CHAT, COMPLETION, RowError, sampling_fields
 from hyloop.sampling_params import StructuredOutputsParams

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from hyloop import LLM, SamplingParams
+from hyloop.api.engine_args import EngineArgs
 from hyloop.compat import vllm as alias
 from hyloop.features.grammar import GrammarMatcher, grammar_tokenizer
-from hyloop.framework.engine_args import EngineArgs
 from hyloop.framework.sampling_params import NotSupportedError
 from hyloop.sampling_params import GuidedDecodingParams, StructuredOutputsParams
 from hyloop.transformers_utils.tokenizer import get_tokenizer
@@ -109,7 +109,7 @@ def test_python_m_runs_a_program_with_the_alias(tmp_path: Path) -> None:
     )
     done = _python("", "-m", "hyloop.compat.vllm", str(script), "--flag", "x")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["hyloop.framework.llm", alias.VLLM_VERSION, "['--flag',", "'x']"]
+    assert done.stdout.split() == ["hyloop.api.llm", alias.VLLM_VERSION, "['--flag',", "'x']"]
     as_module = _python("", "-m", "hyloop.compat.vllm", "-m", "client", "y", path=tmp_path)
     assert as_module.returncode == 0, as_module.stderr
     assert as_module.stdout.split()[-1] == "['y']"

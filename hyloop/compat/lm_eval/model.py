@@ -28,7 +28,7 @@ from lm_eval.models.utils import (
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from hyloop.framework.llm import LLM
+from hyloop.api.llm import LLM
 from hyloop.framework.outputs import RequestOutput
 from hyloop.framework.prompts import TokensPrompt
 from hyloop.framework.sampling_params import SamplingParams

@@ -31,9 +31,10 @@ LOOP_MODULES = {
 # The public front ends (and assembly) are the only importers of the engine; the package root
 # exports it as vLLM's ``LLMEngine``; beam search is ``LLM.beam_search``'s driver over it.
 ENGINE_IMPORTERS = {
-    "hyloop.framework.llm",
+    "hyloop.api.engine",
+    "hyloop.api.llm",
     "hyloop.framework.assembly",
-    "hyloop.framework.beam_search",
+    "hyloop.api.beam_search",
     "hyloop.__init__",
 }
 LOOP_SURFACE = {"step", "busy", "close"}
@@ -69,6 +70,23 @@ def test_only_front_ends_import_the_engine() -> None:
         if refs:
             offenders[name] = refs
     assert not offenders, f"modules that reach for the Engine: {offenders}"
+
+
+# Rooms below the API: none of them imports ``hyloop.api`` (vLLM's surface imports the core).
+CORE_ROOMS = ("framework", "features", "graphs", "cache", "pools", "models")
+
+
+def test_the_core_never_imports_the_api_room() -> None:
+    offenders = []
+    for room in CORE_ROOMS:
+        for path in sorted((PACKAGE / room).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                if any(n == "hyloop.api" or n.startswith("hyloop.api.") for n in names):
+                    offenders.append(f"{module_name(path)}:{node.lineno}")
+    assert not offenders, f"core modules that import hyloop.api: {offenders}"
 
 
 def test_the_static_check_sees_an_engine_import(tmp_path: Path) -> None:

@@ -275,23 +275,3 @@ class EngineConfigs:
     def model_config(self) -> ModelConfig:
         """vLLM's ``LLMEngine.model_config``: ``max_model_len``, ``model``, ``dtype``..."""
         return ModelConfig.of(self.cfg, self.max_context, self.vocab_size)
-
-
-def kv_budget_bytes(memory_budget_mb: float, utilization: float | None, device: Any) -> int:
-    """The KV pool's byte budget: ``kv_pool.memory_budget_mb``, or on CUDA with
-    ``kv_pool.gpu_memory_utilization`` set, that share of the device's memory less what is
-    already in use (weights loaded) and a 5% reserve for activations and graph pools."""
-    dev = torch.device(device)
-    if utilization is None:
-        return int(memory_budget_mb * _MB)
-    if dev.type != "cuda":
-        log.info("gpu_memory_utilization=%s has no effect on %s", utilization, dev)
-        return int(memory_budget_mb * _MB)
-    free, total = torch.cuda.mem_get_info(dev)
-    budget = int(utilization * total) - (total - free) - total // 20
-    if budget <= 0:
-        raise ValueError(
-            f"gpu_memory_utilization={utilization}: {(total - free) / _MB:.0f} MiB of "
-            f"{total / _MB:.0f} MiB are in use already; no room for the KV pool"
-        )
-    return budget

@@ -12,12 +12,12 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from hyloop.api.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from hyloop.api.chat import render_chat
+from hyloop.api.engine import LLMEngine
+from hyloop.api.engine_args import EngineArgs
 from hyloop.framework.assembly import build_engine
-from hyloop.framework.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
-from hyloop.framework.chat import render_chat
 from hyloop.framework.config import EngineConfig
-from hyloop.framework.engine import Engine
-from hyloop.framework.engine_args import EngineArgs
 from hyloop.framework.outputs import RequestOutput
 from hyloop.framework.prompts import as_batch
 from hyloop.framework.sampling_params import NotSupportedError, RequestOutputKind, SamplingParams
@@ -51,7 +51,7 @@ class LLM:
     def _init(self, args: EngineArgs) -> None:
         self.engine_args = args
         self.config = args.create_engine_config()
-        self.engine = build_engine(self.config)
+        self.engine = build_engine(self.config, engine_type=LLMEngine)
         self._counter = 0
         self._closed = False
         self._draining = False  # ``drain()``: nothing more is admitted
@@ -60,7 +60,7 @@ class LLM:
         self._finalizer = weakref.finalize(self, _close_engine, self.engine)
 
     @property
-    def llm_engine(self) -> Engine:
+    def llm_engine(self) -> LLMEngine:
         return self.engine
 
     @property
@@ -251,7 +251,7 @@ class LLM:
         return self.engine.stats()
 
     def summary(self) -> str:
-        from hyloop.framework.summary import render_summary
+        from hyloop.api.summary import render_summary
 
         return render_summary(self)
 
@@ -274,7 +274,7 @@ def _rates(s0: dict[str, Any], s: dict[str, Any]) -> dict[str, str]:
     return {"prefill tok/s": f"{prefill:.0f}", "decode tok/s": f"{decode:.1f}"}
 
 
-def _close_engine(engine: Engine) -> None:
+def _close_engine(engine: LLMEngine) -> None:
     engine.close()
     kv = engine.kind.pools.kv
     kv.k.clear()
