@@ -14,13 +14,13 @@ import torch
 
 from hyloop.cache import UnifiedRadixCache
 from hyloop.cache.lease import RequestCache
+from hyloop.cache.position_independent.reuse import PositionIndependentReuse
 from hyloop.cache.unified import build_cache
 from hyloop.framework.config import EngineConfig
 from hyloop.framework.engine import Engine
 from hyloop.framework.host_memory import trim_heap
 from hyloop.framework.kv_pools import kv_pools
 from hyloop.framework.pipeline import StepPipeline
-from hyloop.framework.reuse import PositionIndependentReuse
 from hyloop.framework.sampling_params import generation_defaults
 from hyloop.framework.scheduler import Scheduler
 from hyloop.framework.stats import DeviceClock, StepRecorder

@@ -279,7 +279,7 @@ class StepKind:
                 nxt = c.req.prompt_ids[c.start + 1 : c.start + c.length + 1]
                 targets[j, : len(nxt)] = torch.tensor(nxt, dtype=torch.int64)
             targets = self.to_device(targets)
-        # selective recompute of the chunks' reused spans (``framework.reuse``), if any has some
+        # selective recompute of reused spans (``position_independent.reuse``), if any has some
         policies = [_lease(c).selective for c in chunks if _lease(c).selective is not None]
         blend = policies[0].blend(chunks, t, self.to_device) if policies else None
         return StepBatch(

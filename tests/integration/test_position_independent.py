@@ -16,8 +16,8 @@ import torch
 from hyloop import LLM, SamplingParams
 from hyloop.api.summary import render_summary
 from hyloop.cache import EvictParams, EvictResult, MatchPrefixParams, RadixKey, UnifiedRadixCache
+from hyloop.cache.position_independent.reuse import PositionIndependentReuse
 from hyloop.framework.config import ConfigError, load_config
-from hyloop.framework.reuse import PositionIndependentReuse
 from hyloop.models.contract import ModelContract
 from hyloop.models.kv_shift import KVShifter, shifter_for
 from hyloop.models.layers.rope import RopeSpec

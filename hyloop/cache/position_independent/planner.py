@@ -49,7 +49,7 @@ class Segment:
 @dataclass(frozen=True)
 class ReusePlan:
     segments: list[Segment]
-    # The donors' lock receipts while admission holds the plan (``framework.reuse``).
+    # The donors' lock receipts while admission holds the plan (``position_independent.reuse``).
     locks: list[IncLockRefResult] = field(default_factory=list)
 
     @property

@@ -8,8 +8,8 @@ import math
 import torch
 
 from hyloop.cache.lease import IncLockRefResult, Lease
+from hyloop.cache.position_independent.reuse import SelectiveRecompute
 from hyloop.framework.requests import Chunk, Request
-from hyloop.framework.reuse import SelectiveRecompute
 from hyloop.framework.sampling_params import SamplingParams
 
 

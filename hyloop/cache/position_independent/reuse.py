@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -27,11 +28,13 @@ from hyloop.cache.lease import Lease
 from hyloop.cache.position_independent.chunker import Chunker, ChunkerParams
 from hyloop.cache.position_independent.index import DonorIndex
 from hyloop.cache.position_independent.planner import ReusePlan, ReusePlanner
-from hyloop.framework.config import PositionIndependentSection
-from hyloop.framework.requests import Chunk, Request
 from hyloop.graphs.step_batch import Blend
 from hyloop.models.kv_shift import KVShifter
 from hyloop.pools import KVPool
+
+if TYPE_CHECKING:
+    from hyloop.framework.config import PositionIndependentSection
+    from hyloop.framework.requests import Chunk, Request
 
 
 @dataclass
