@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
+from hyloop.api.chat import as_batch
 from hyloop.framework.outputs import Logprob, RequestOutput
-from hyloop.framework.prompts import as_batch, cache_salt
+from hyloop.framework.prompts import cache_salt
 from hyloop.framework.sampling_params import (
     NotSupportedError,
     RequestOutputKind,

@@ -11,6 +11,7 @@ from hyloop.api.engine_args import EngineArgs, EngineConfigs
 from hyloop.api.parallel import ParallelSamples, forks_of
 from hyloop.framework.engine import Engine
 from hyloop.framework.outputs import RequestOutput
+from hyloop.framework.requests import token_prompt
 from hyloop.framework.sampling_params import SamplingParams
 
 
@@ -79,3 +80,22 @@ class LLMEngine(Engine, EngineConfigs):
         outputs = super().step()
         with self._lock:  # abort_request may read the forks from another thread
             return self._parallel.join(outputs)
+
+    def get_num_unfinished_requests(self) -> int:
+        with self._lock:
+            queued = len(self._queued_ids)
+        return queued + len(self.scheduler.running) + len(self.scheduler.waiting)
+
+    def validate_prompt(
+        self, request_id: str, prompt: Any, params: SamplingParams | None = None
+    ) -> list[int]:
+        """The prompt's token ids, or a ValueError naming ``request_id`` and what is wrong."""
+        truncate = params.truncate_prompt_tokens if params is not None else None
+        return token_prompt(
+            request_id, prompt, self.tokenizer, self.vocab_size, self.max_context, truncate
+        )[1]
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: empty the prefix cache (and the donor index); False while requests run."""
+        busy = self._in_step or self.has_unfinished_requests()
+        return not busy and self.scheduler.cache.clear()

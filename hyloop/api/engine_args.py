@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from hyloop.framework.config import EngineConfig, SamplingDefaultsSection, load_config
-from hyloop.framework.sampling_params import GENERATION_CONFIG_FIELDS, NotSupportedError
+from hyloop.framework.sampling_params import NotSupportedError
+from hyloop.models.loader import GENERATION_CONFIG_FIELDS
 
 log = logging.getLogger(__name__)
 

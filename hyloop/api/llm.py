@@ -13,13 +13,12 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from hyloop.api.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
-from hyloop.api.chat import render_chat
+from hyloop.api.chat import as_batch, render_chat
 from hyloop.api.engine import LLMEngine
 from hyloop.api.engine_args import EngineArgs
 from hyloop.framework.assembly import build_engine
 from hyloop.framework.config import EngineConfig
 from hyloop.framework.outputs import RequestOutput
-from hyloop.framework.prompts import as_batch
 from hyloop.framework.sampling_params import NotSupportedError, RequestOutputKind, SamplingParams
 from hyloop.graphs.capture import Graphs
 

@@ -18,10 +18,8 @@ from hyloop.cache.position_independent.reuse import PositionIndependentReuse
 from hyloop.cache.unified import build_cache
 from hyloop.framework.config import EngineConfig
 from hyloop.framework.engine import Engine
-from hyloop.framework.host_memory import trim_heap
 from hyloop.framework.kv_pools import kv_pools
 from hyloop.framework.pipeline import StepPipeline
-from hyloop.framework.sampling_params import generation_defaults
 from hyloop.framework.scheduler import Scheduler
 from hyloop.framework.stats import DeviceClock, StepRecorder
 from hyloop.framework.step_kinds import StepKind
@@ -42,8 +40,9 @@ from hyloop.models.cpu import CpuKernels, cpu_ops
 from hyloop.models.cpu.kernel_choice import cache_dir, machine_key
 from hyloop.models.kv_shift import shifter_for
 from hyloop.models.layers.attention import compute_paths
-from hyloop.models.loader import LoadedModel, load_model, load_tokenizer
+from hyloop.models.loader import LoadedModel, generation_defaults, load_model, load_tokenizer
 from hyloop.pools import RecurrentPool, ReqToTokenPool, StepFence, SWAWindows
+from hyloop.utils.host_memory import trim_heap
 
 log = logging.getLogger(__name__)
 

@@ -19,17 +19,16 @@ from typing import TYPE_CHECKING, Any
 from hyloop.cache.lease import RequestCache
 from hyloop.features.base import RequestContext
 from hyloop.framework.config import EngineConfig
-from hyloop.framework.engine_stats import check_engine, engine_stats
-from hyloop.framework.faults import ENGINE_FAULTS, stop_engine
+from hyloop.framework.faults import ENGINE_FAULTS, fail_all, stop_engine
 from hyloop.framework.loops import OverlapLoop, SyncLoop
 from hyloop.framework.outputs import RequestOutput
 from hyloop.framework.pipeline import StepPipeline
-from hyloop.framework.requests import Request, new_request, token_prompt
+from hyloop.framework.requests import Request, new_request
 from hyloop.framework.sampling_params import NotSupportedError, SamplingParams
 from hyloop.framework.scheduler import Scheduler
 from hyloop.framework.stats import StepRecorder
 from hyloop.framework.step_kinds import StepKind
-from hyloop.graphs.capture import Graphs
+from hyloop.graphs.capture import Graphs, Outlook
 from hyloop.graphs.sampler import fold_seed
 
 if TYPE_CHECKING:
@@ -141,15 +140,6 @@ class Engine:
         """vLLM's ``SamplingParams()``, under generation_config.json and ``sampling_defaults``."""
         return SamplingParams(**self.derived.sampling_defaults)
 
-    def validate_prompt(
-        self, request_id: str, prompt: Any, params: SamplingParams | None = None
-    ) -> list[int]:
-        """The prompt's token ids, or a ValueError naming ``request_id`` and what is wrong."""
-        truncate = params.truncate_prompt_tokens if params is not None else None
-        return token_prompt(
-            request_id, prompt, self.tokenizer, self.vocab_size, self.max_context, truncate
-        )[1]
-
     def _new_request(
         self, request_id: str, prompt: Any, sampling_params: SamplingParams | None
     ) -> Request:
@@ -174,11 +164,6 @@ class Engine:
         self.kind.attach(req, self._context, where)
         return req
 
-    def get_num_unfinished_requests(self) -> int:
-        with self._lock:
-            queued = len(self._queued_ids)
-        return queued + len(self.scheduler.running) + len(self.scheduler.waiting)
-
     def has_unfinished_requests(self) -> bool:
         with self._lock:
             queued = bool(self._queued)
@@ -193,7 +178,7 @@ class Engine:
             self._in_step = True
         try:
             if self.stopped is not None:  # what was queued as it stopped ends the same way
-                self.scheduler.fail_all(self.stopped)
+                fail_all(self.scheduler, self.stopped)
             elif self._idle and self.scheduler.waiting:
                 self._start_job()
             outputs = self.scheduler.take_outputs()
@@ -229,7 +214,11 @@ class Engine:
         self._idle = False
         sched = self.scheduler
         first = [*sched.running, *sched.waiting][: sched.max_running]  # its first decode batch
-        self.graphs.job_start(sched.outlook(), self.kind.mode(first))
+        # each request as the plan sees it: the columns its next decode step reads and the
+        # decode steps left in its budget
+        outlook = [Outlook(r.total_len, r.max_new - r.num_sampled) for r in sched.running]
+        outlook += [Outlook(len(r.prompt_ids) + 1, r.max_new - 1) for r in sched.waiting]
+        self.graphs.job_start(outlook, self.kind.mode(first))
         self.recorder.note_captures()  # captured before any step began
 
     @property
@@ -269,11 +258,6 @@ class Engine:
             self._overlap.close()
         self.graphs.close()
 
-    def reset_prefix_cache(self) -> bool:
-        """vLLM's: empty the prefix cache (and the donor index); False while requests run."""
-        busy = self._in_step or self.has_unfinished_requests()
-        return not busy and self.scheduler.cache.clear()
-
     # -- introspection --------------------------------------------------------------------------
     def request(self, request_id: str) -> Request | None:
         return self.scheduler.get(request_id)
@@ -285,11 +269,26 @@ class Engine:
         return self.scheduler.cache
 
     def check_invariants(self) -> None:
-        """The ledger, the tree and the launched steps (``engine_stats.check_engine``)."""
-        check_engine(self.pipeline, self.scheduler)
+        """Ledger: free + pending-free + request-held + tree-held == capacity, for KV pages and
+        state slots; tree structure, lock receipts and LRU order consistent; nothing a launched
+        step reads is free."""
+        self.pipeline.check_unresolved()
+        self.scheduler.check(track_held=self.pipeline.held_track_slots())
 
     def stats(self) -> dict[str, Any]:
-        d = engine_stats(self.recorder, self.scheduler, self.graphs, self._overlap is not None)
+        """Step times and counts (with the lookahead loop's once it ran), cache hits, the
+        graphs' counters, pool use and the request counts, in one flat dict."""
+        sched, cache, kv = self.scheduler, self.scheduler.cache, self.scheduler.cache.kv
+        d = self.recorder.as_dict(overlap=self._overlap is not None)
+        d.update(cached_tokens=sched.cached_tokens, reused_tokens=sched.reused_tokens)
+        selective = cache.reuse.selective if cache.reuse is not None else None
+        d["recomputed_tokens"] = selective.recomputed if selective is not None else 0
+        d.update(self.graphs.stats())
+        free = kv.available_size()
+        d.update(kv_free_tokens=free, kv_capacity_tokens=kv.capacity)
+        d["kv_full_tokens_used"] = kv.capacity - free
+        d["kv_swa_tokens_used"] = cache.windows.used_tokens() if cache.windows is not None else 0
+        d["cache_evictable_tokens"] = cache.tree.evictable_size()
         d.update(requests_finished=self.finished, requests_aborted=self.aborted)
         d.update(requests_failed=self.failed, lookahead=self.lookahead_enabled)
         return {**d, "weight_bytes": self.derived.weight_bytes, "numerics": self.derived.numerics}

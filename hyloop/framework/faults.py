@@ -22,11 +22,12 @@ import logging
 from typing import TYPE_CHECKING
 
 from hyloop.framework.outputs import CompletionOutput, RequestOutput
+from hyloop.framework.requests import Status
 from hyloop.pools import LedgerError
 
 if TYPE_CHECKING:
     from hyloop.framework.loops import OverlapLoop, SyncLoop
-    from hyloop.framework.requests import Request
+    from hyloop.framework.requests import Batch, Chunk, Request
     from hyloop.framework.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -58,5 +59,32 @@ def stop_engine(loop: SyncLoop | OverlapLoop, scheduler: Scheduler, error: BaseE
     message = f"engine stopped: {describe(error)}"
     log.error("%s", message, exc_info=error)
     loop.reset()
-    scheduler.fail_all(message)
+    fail_all(scheduler, message)
     return message
+
+
+def fail_all(scheduler: Scheduler, message: str) -> None:
+    """The engine stops: every running and queued request ends with ``message``; what it
+    holds is returned where the books still allow."""
+    for req in [*scheduler.running, *scheduler.waiting]:
+        req.error = message
+        try:
+            scheduler.finish(req, "error")
+        except Exception:  # the ledger is broken: end it all the same, holding nothing
+            log.exception("request %r: could not be released", req.request_id)
+            req.lease, req.status, req.finish_reason = None, Status.FINISHED, "error"
+            scheduler.forget(req)
+    scheduler.running.clear()
+    scheduler.waiting.clear()
+
+
+def drop_chunk(scheduler: Scheduler, batch: Batch, chunk: Chunk, error: Exception) -> None:
+    """``chunk``'s request failed while its step was prepared: it fails, and its chunk (and
+    its track slot) leave the batch. A broken invariant gives up the whole step."""
+    if is_engine_fault(error):
+        scheduler.abandon(batch)
+        raise error
+    scheduler.fail(chunk.req, error)
+    scheduler.cache.drop_track_slot(chunk.track_slot)
+    chunk.track_slot = 0
+    batch.chunks.remove(chunk)

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hyloop.framework.faults import drop_chunk
 from hyloop.framework.outputs import RequestOutput
 from hyloop.framework.requests import Batch, Chunk, Status
 from hyloop.framework.scheduler import Scheduler
@@ -82,7 +83,7 @@ class StepPipeline:
             try:
                 self.kind.bind(c)
             except Exception as e:
-                self.scheduler.drop_chunk(batch, c, e)
+                drop_chunk(self.scheduler, batch, c, e)
         if not batch.chunks:
             return None
         source_rows = None

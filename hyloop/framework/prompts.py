@@ -4,7 +4,6 @@ the prompt's cache namespace: prompts with different salts never share cached KV
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, NotRequired, TypedDict
 
 from hyloop.framework.sampling_params import NotSupportedError
@@ -32,23 +31,6 @@ _VLLM_ONLY = {
     "encoder_prompt",
     "decoder_prompt",
 }
-
-
-def as_batch(prompts: Any) -> list[Any]:
-    """The prompts of one ``generate`` call: a single prompt becomes a list of one."""
-    if prompts is None:
-        raise ValueError(
-            "generate(): prompts is None; give a str, a list of token ids, a TextPrompt / "
-            "TokensPrompt dict, or a list of these"
-        )
-    if isinstance(prompts, str | dict) or _is_token_list(prompts):
-        return [prompts]
-    if isinstance(prompts, Sequence):
-        return list(prompts)
-    raise ValueError(
-        f"generate(): prompts of type {type(prompts).__name__}; expected a str, a list of "
-        "token ids, a TextPrompt / TokensPrompt dict, or a list of these"
-    )
 
 
 def check_text(where: str, text: str) -> None:
@@ -107,11 +89,3 @@ def cache_salt(where: str, prompt: Any) -> str | None:
     if not isinstance(salt, str) or not salt:
         raise ValueError(f"{where}: cache_salt: got {salt!r}; expected a non-empty string")
     return salt
-
-
-def _is_token_list(value: Any) -> bool:
-    return (
-        isinstance(value, list | tuple)
-        and bool(value)
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-    )

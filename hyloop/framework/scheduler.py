@@ -25,12 +25,11 @@ from typing import TYPE_CHECKING, Any
 from hyloop.cache import RadixKey
 from hyloop.cache.lease import RequestCache
 from hyloop.framework.config import SchedulerSection
-from hyloop.framework.faults import bare_output, describe, is_engine_fault
+from hyloop.framework.faults import bare_output, describe, drop_chunk, is_engine_fault
 from hyloop.framework.outputs import RequestOutput
 from hyloop.framework.requests import Batch, Chunk, Request, Status, request_output
 from hyloop.framework.sampling_params import RequestOutputKind
 from hyloop.framework.step_logprobs import prompt_entries, sampled_entry
-from hyloop.graphs.capture import Outlook
 from hyloop.graphs.step_batch import StepOutput
 from hyloop.pools import LedgerError, StepFence
 
@@ -90,13 +89,6 @@ class Scheduler:
     def take_outputs(self) -> list[RequestOutput]:
         outputs, self._outputs = self._outputs, []
         return outputs
-
-    def outlook(self) -> list[Outlook]:
-        """Every running and queued request as a job plan sees it: the columns its next decode
-        step reads and the decode steps left in its budget."""
-        out = [Outlook(r.total_len, r.max_new - r.num_sampled) for r in self.running]
-        out += [Outlook(len(r.prompt_ids) + 1, r.max_new - 1) for r in self.waiting]
-        return out
 
     # -- batches --------------------------------------------------------------------------------
     def _defers(self, req: Request) -> bool:
@@ -185,23 +177,12 @@ class Scheduler:
                     self.cache.advance_window(c.req, c.req.lease, c.start, c.start + c.length)
                 c.track_slot = self.cache.take_track_slot(c.start + c.length)
             except Exception as e:
-                self.drop_chunk(batch, c, e)
+                drop_chunk(self, batch, c, e)
                 continue
             if batch.is_decode or c.completes_prompt:
                 if c.out_pos < 0:
                     c.out_pos = c.req.num_sampled
                 c.req.num_sampled += 1
-
-    def drop_chunk(self, batch: Batch, chunk: Chunk, error: Exception) -> None:
-        """``chunk``'s request failed while its step was prepared: it fails, and its chunk (and
-        its track slot) leave the batch. A broken invariant gives up the whole step."""
-        if is_engine_fault(error):
-            self.abandon(batch)
-            raise error
-        self.fail(chunk.req, error)
-        self.cache.drop_track_slot(chunk.track_slot)
-        chunk.track_slot = 0
-        batch.chunks.remove(chunk)
 
     def abandon(self, batch: Batch) -> None:
         """A prepared step that will never run: its track slots go back."""
@@ -311,7 +292,7 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
-        self._outputs.append(self._last_output(req))
+        self._outputs.append(self.last_output(req))
         del self._requests[req.request_id]
 
     def fail(self, req: Request, error: Exception) -> None:
@@ -326,26 +307,16 @@ class Scheduler:
         req.error = describe(error)
         self.finish(req, "error")
 
-    def fail_all(self, message: str) -> None:
-        """The engine stops: every running and queued request ends with ``message``; what it
-        holds is returned where the books still allow."""
-        for req in [*self.running, *self.waiting]:
-            req.error = message
-            try:
-                self.finish(req, "error")
-            except Exception:  # the ledger is broken: end it all the same, holding nothing
-                log.exception("request %r: could not be released", req.request_id)
-                req.lease, req.status, req.finish_reason = None, Status.FINISHED, "error"
-                self._outputs.append(self._last_output(req))
-                self._requests.pop(req.request_id, None)
-        self.running.clear()
-        self.waiting.clear()
+    def forget(self, req: Request) -> None:
+        """``req`` ended without ``finish`` (a broken ledger): its output queued, its id free."""
+        self._outputs.append(self.last_output(req))
+        self._requests.pop(req.request_id, None)
 
     def output(self, req: Request) -> RequestOutput:
         """The request's output so far (``delta``: what is new since its last output)."""
         return request_output(req, self.tokenizer)
 
-    def _last_output(self, req: Request) -> RequestOutput:
+    def last_output(self, req: Request) -> RequestOutput:
         try:
             return self.output(req)
         except Exception:  # a failed request's text may be what failed: leave it out

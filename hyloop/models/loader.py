@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,3 +124,45 @@ def load_tokenizer(path: str | Path) -> TextTokenizer | None:
         bos_id=None if bos is None else int(bos),
         chat_template=meta.get("tokenizer.chat_template"),
     )
+
+
+# generation_config.json keys vLLM takes request defaults from, and the field each sets.
+GENERATION_CONFIG_FIELDS = {
+    "repetition_penalty": "repetition_penalty",
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "max_new_tokens": "max_tokens",
+}
+
+
+# transformers' GenerationConfig defaults: a value equal to one is no request default (vLLM
+# reads ``GenerationConfig.to_diff_dict()``).
+_HF_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0}
+
+
+def generation_defaults(source: str, model_path: str) -> dict[str, Any]:
+    """Request defaults from a ``generation_config.json`` as vLLM applies them: ``source`` is
+    ``auto`` (the checkpoint directory's), ``vllm`` (none) or a directory holding one."""
+    if source == "vllm" or (source == "auto" and not model_path):
+        return {}
+    folder = Path(model_path if source == "auto" else source).expanduser()
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        if source != "auto":
+            raise FileNotFoundError(
+                f"model.generation_config: no generation_config.json in {folder}"
+            )
+        return {}
+    try:
+        gen = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON ({e})") from e
+    out: dict[str, Any] = {}
+    for key, name in GENERATION_CONFIG_FIELDS.items():
+        value = gen.get(key) if isinstance(gen, dict) else None
+        if value is None or value == _HF_DEFAULTS.get(key):  # vLLM reads the diff only
+            continue
+        out[name] = value
+    return out

@@ -11,7 +11,7 @@ import torch
 
 from hyloop.framework import assembly
 from hyloop.framework.config import load_config
-from hyloop.framework.host_memory import trim_heap
+from hyloop.utils.host_memory import trim_heap
 
 MB = 1 << 20
 
