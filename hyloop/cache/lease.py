@@ -67,10 +67,9 @@ class Holder(Protocol):
 
 
 class Reuse(Protocol):
-    """Position-independent reuse of a prompt's unmatched tail (``position_independent.reuse``):
+    """Position-independent reuse of a prompt's unmatched tail (``position_independent``):
     ``plan`` locks the donors of the runs it reuses (None: no run); ``realise`` copies their KV
-    into the lease's pages, records the reused spans on it and unlocks them; ``drop`` only
-    unlocks."""
+    into the lease's pages, records the reused spans and unlocks them; ``drop`` only unlocks."""
 
     def plan(self, req: Any, cached: int) -> Any: ...
 

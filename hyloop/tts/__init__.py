@@ -3,8 +3,9 @@
 ``from hyloop.tts import TTSEngine, TTSParams``.
 """
 
+from hyloop.tts.chunker import TTSOutput
 from hyloop.tts.codec import Codec, CodecStage, ToneCodec, write_wav
-from hyloop.tts.engine import TTSEngine, TTSOutput
+from hyloop.tts.engine import TTSEngine
 from hyloop.tts.metrics import FrameChunk, TTSMetrics
 from hyloop.tts.params import TTSParams
 from hyloop.tts.prompts import PromptBuilder, TTSPrompt

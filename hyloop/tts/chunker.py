@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
+import torch
 
 from hyloop.framework.outputs import RequestOutput
 from hyloop.tts.codec import Codec
-from hyloop.tts.metrics import FrameChunk, RequestTimer
+from hyloop.tts.metrics import FrameChunk, RequestTimer, TTSMetrics
 from hyloop.tts.params import TTSParams
 
 
@@ -67,3 +69,45 @@ def decode_inline(codec: Codec, req: RequestState, chunk: FrameChunk) -> None:
     chunk.sample_rate = codec.sample_rate
     k = codec.context_frames
     req.context = np.concatenate([context, codes])[-k:] if k else codes[:0]
+
+
+@dataclass
+class TTSOutput:
+    request_id: str
+    rows: np.ndarray  # [n, channels] int64, the end frame excluded
+    finish_reason: str | None
+    num_cached_rows: int
+    audio: np.ndarray | None = None  # float32 PCM of every frame (with a codec)
+    sample_rate: int | None = None
+    metrics: TTSMetrics | None = None
+    error: str | None = None
+
+
+def join_chunks(rid: str, chunks: list[FrameChunk], codec: Codec | None) -> TTSOutput:
+    """A finished request's chunks as one ``TTSOutput`` (its audio joined, with a codec)."""
+    if not chunks or not chunks[-1].final:
+        raise RuntimeError(f"request {rid!r}: the engine ran dry before it finished")
+    last = chunks[-1]
+    audio = None
+    if codec is not None:
+        parts = [c.audio for c in chunks if c.audio is not None]
+        audio = np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
+    return TTSOutput(
+        rid,
+        np.concatenate([c.rows for c in chunks]),
+        last.finish_reason,
+        last.num_cached_rows,
+        audio,
+        codec.sample_rate if codec else None,
+        last.metrics,
+        last.error,
+    )
+
+
+def as_rows(rows: Any) -> Any:
+    """A numpy array, a tensor or nested lists -> an int64 tensor (checked by the engine)."""
+    if isinstance(rows, np.ndarray):
+        if not np.issubdtype(rows.dtype, np.integer):
+            raise ValueError(f"prompt rows: dtype {rows.dtype}; expected integers")
+        return torch.from_numpy(rows.astype(np.int64, copy=False))
+    return rows

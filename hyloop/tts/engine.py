@@ -7,7 +7,6 @@ checkpoint's request format. A request's first chunk holds ``initial_chunk_frame
 later ones ``chunk_frames``, its last one the rest (maybe none) with ``final=True``, the finish
 reason and the request's ``TTSMetrics``. The end frame that stops a request is not part of its
 rows. With a ``codec``, each chunk carries the float32 PCM of its frames and its sample rate.
-
 Three ways to drive it:
 
 * ``stream(request_id)``: that request's chunks, ``for`` or ``async for``. The first call starts
@@ -22,38 +21,31 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from tqdm.auto import tqdm
 
 from hyloop.api.llm import LLM
 from hyloop.framework.config import EngineConfig
 from hyloop.framework.outputs import RequestOutput
-from hyloop.tts.chunker import RequestState, chunk_output, decode_inline
+from hyloop.tts.chunker import (
+    RequestState,
+    TTSOutput,
+    as_rows,
+    chunk_output,
+    decode_inline,
+    join_chunks,
+)
 from hyloop.tts.codec import Codec, CodecStage
 from hyloop.tts.frame_step import FrameStep
-from hyloop.tts.metrics import FrameChunk, RequestTimer, TTSMetrics
+from hyloop.tts.metrics import FrameChunk, RequestTimer
 from hyloop.tts.params import TTSParams
 from hyloop.tts.prompts import PromptBuilder, TTSPrompt
 from hyloop.tts.streams import RequestStream
 
 MOSS_FRAME_RATE = 12.5  # frames per second of MOSS-Audio-Tokenizer-v2
-
-
-@dataclass
-class TTSOutput:
-    request_id: str
-    rows: np.ndarray  # [n, channels] int64, the end frame excluded
-    finish_reason: str | None
-    num_cached_rows: int
-    audio: np.ndarray | None = None  # float32 PCM of every frame (with a codec)
-    sample_rate: int | None = None
-    metrics: TTSMetrics | None = None
-    error: str | None = None
 
 
 class TTSEngine:
@@ -144,7 +136,7 @@ class TTSEngine:
             self._requests[rid] = RequestState(params, RequestTimer(self.frame_rate))
             self._outlets[rid] = RequestStream(rid, self.abort, self._outlet_done)
         try:
-            self.engine.add_request(rid, _as_rows(rows), params.sampling())
+            self.engine.add_request(rid, as_rows(rows), params.sampling())
         except Exception:
             with self._lock:
                 self._requests.pop(rid, None)
@@ -282,7 +274,7 @@ class TTSEngine:
                     for chunk in self.stream(rid):
                         chunks[rid].append(chunk)
                         bar.update(len(chunk.rows))
-                    yield k, self._output(rid, chunks[rid])
+                    yield k, join_chunks(rid, chunks[rid], self.codec)
                 return
             done, k = set(), 0
             for chunk in self._drive():
@@ -291,35 +283,16 @@ class TTSEngine:
                     bar.update(len(chunk.rows))
                     done |= {chunk.request_id} if chunk.final else set()
                     while k < len(ids) and ids[k] in done:
-                        yield k, self._output(ids[k], chunks[ids[k]])
+                        yield k, join_chunks(ids[k], chunks[ids[k]], self.codec)
                         k += 1
             for rest in range(k, len(ids)):  # the engine ran dry: ``_output`` says which
-                yield rest, self._output(ids[rest], chunks[ids[rest]])
+                yield rest, join_chunks(ids[rest], chunks[ids[rest]], self.codec)
 
     def _add_prompt(self, prompt: Any, params: TTSParams) -> str:
         if isinstance(prompt, TTSPrompt):
             fields = {k: getattr(prompt, k) for k in prompt.__dataclass_fields__}
             return self.add_request(None, params, **fields)
         return self.add_request(prompt, params)
-
-    def _output(self, rid: str, chunks: list[FrameChunk]) -> TTSOutput:
-        if not chunks or not chunks[-1].final:
-            raise RuntimeError(f"request {rid!r}: the engine ran dry before it finished")
-        last = chunks[-1]
-        audio = None
-        if self.codec is not None:
-            parts = [c.audio for c in chunks if c.audio is not None]
-            audio = np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
-        return TTSOutput(
-            rid,
-            np.concatenate([c.rows for c in chunks]),
-            last.finish_reason,
-            last.num_cached_rows,
-            audio,
-            self.codec.sample_rate if self.codec else None,
-            last.metrics,
-            last.error,
-        )
 
     def _chunks(self, out: RequestOutput) -> Iterator[FrameChunk]:
         req = self._requests.get(out.request_id)
@@ -355,12 +328,3 @@ class TTSEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _as_rows(rows: Any) -> Any:
-    """A numpy array, a tensor or nested lists -> an int64 tensor (checked by the engine)."""
-    if isinstance(rows, np.ndarray):
-        if not np.issubdtype(rows.dtype, np.integer):
-            raise ValueError(f"prompt rows: dtype {rows.dtype}; expected integers")
-        return torch.from_numpy(rows.astype(np.int64, copy=False))
-    return rows

@@ -20,7 +20,12 @@ from gguf.quants import dequantize
 from tokenizers import Tokenizer
 
 from hyloop.models.loaders import gguf_tokenizer as gguf_tok
-from hyloop.models.loaders.gguf_blocks import DENSE_TYPES, GGUFBlocks, unpermute_rope_rows
+from hyloop.models.loaders.gguf_blocks import (
+    DENSE_TYPES,
+    GGUFBlocks,
+    hf_tensor_name,
+    unpermute_rope_rows,
+)
 
 
 @dataclass(frozen=True)
@@ -39,37 +44,6 @@ _ARCHS: dict[str, _ArchSpec] = {
     "qwen2": _ArchSpec("Qwen2ForCausalLM", qkv_bias=True),
     "qwen3": _ArchSpec("Qwen3ForCausalLM", qk_norm=True),
     "gemma3": _ArchSpec("Gemma3ForCausalLM", qk_norm=True, gemma_norms=True),
-}
-
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-
-# Gemma's layer norms: llama.cpp's ``ffn_norm`` is the pre-feedforward norm there.
-_GEMMA_LAYER_NAMES = {
-    **_LAYER_NAMES,
-    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-    "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 
 # What llama.cpp assumes for a gemma3 file and does not store (its src/models/gemma3.cpp).
@@ -251,16 +225,6 @@ def _expected_shapes(config: dict[str, Any], spec: _ArchSpec) -> dict[str, tuple
     return shapes
 
 
-def _hf_name(gguf_name: str, spec: _ArchSpec) -> str | None:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    names = _GEMMA_LAYER_NAMES if spec.gemma_norms else _LAYER_NAMES
-    parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
-        return f"model.layers.{parts[1]}.{names[parts[2]]}"
-    return None
-
-
 def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
     """Read a GGUF file into an HF-style config, a float32 HF-named state dict and a tokenizer."""
     reader = _open(path)
@@ -273,7 +237,7 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
         )
     spec = _ARCHS[arch]
 
-    named = [(_hf_name(tensor.name, spec), tensor) for tensor in reader.tensors]
+    named = [(hf_tensor_name(tensor.name, spec.gemma_norms), tensor) for tensor in reader.tensors]
     by_hf_name = {hf_name: tensor for hf_name, tensor in named if hf_name is not None}
     unexpected = [tensor.name for hf_name, tensor in named if hf_name is None]
     embed = by_hf_name.get("model.embed_tokens.weight")

@@ -24,6 +24,50 @@ from hyloop.models.quant.formats import Int4Groups, Int8Rows
 _Decoded = tuple[np.ndarray, np.ndarray, np.ndarray]  # codes [B, 32 j], scale [B, j], min [B, j]
 
 
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+# Gemma's layer norms: llama.cpp's ``ffn_norm`` is the pre-feedforward norm there.
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+
+
+def hf_tensor_name(gguf_name: str, gemma_norms: bool) -> str | None:
+    """The HF name of a llama.cpp tensor (``blk.{i}.attn_q.weight`` ->
+    ``model.layers.{i}.self_attn.q_proj.weight``); None: no such tensor in an HF checkpoint."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    names = _GEMMA_LAYER_NAMES if gemma_norms else _LAYER_NAMES
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}"
+    return None
+
+
 def unpermute_rope_rows(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's `permute`: rows (head, pair, 2) go back to (head, 2, half) order."""
     half = weight.shape[0] // n_head // 2
