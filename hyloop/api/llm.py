@@ -203,7 +203,7 @@ class LLM:
         index = {rid: i for i, rid in enumerate(ids)}
         make_bar = use_tqdm if callable(use_tqdm) else tqdm
         bar = make_bar(total=len(ids), desc="requests", disable=not use_tqdm, dynamic_ncols=True)
-        s0 = dict(self.engine.stats())
+        s0 = dict(self.engine.stats()) if use_tqdm else {}  # the bar's rates only
         t0 = shown = time.perf_counter()
         pending = set(ids)
         try:

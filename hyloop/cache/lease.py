@@ -54,13 +54,9 @@ class Holder(Protocol):
     request_id: str
     prompt_ids: list[int]
     max_new: int
+    output_ids: list[int]
     reads_cache: bool  # False: computes its whole prompt (it wants the prompt's logprobs)
-
-    @property
-    def extra_key(self) -> Hashable: ...  # its namespace in the tree (a prompt's cache_salt)
-
-    @property
-    def all_ids(self) -> list[int]: ...
+    extra_key: Hashable  # its namespace in the tree (a prompt's cache_salt)
 
     @property
     def total_len(self) -> int: ...
@@ -237,7 +233,7 @@ class RequestCache:
     def _insert(self, req: Holder, lease: Lease, n: int, snapshot: int | None) -> InsertResult:
         """Insert ``req``'s first ``n`` tokens with the tree's share of the window and the
         ``snapshot`` slot, and re-point the lease at the pages the tree already held."""
-        key = RadixKey(req.all_ids[:n], req.extra_key)
+        key = RadixKey((req.prompt_ids + req.output_ids)[:n], req.extra_key)
         window, window_from = self.window.insert_value(req, n)
         approx = lease.approximate_from
         params = InsertParams(key, lease.slots[:n], snapshot, window, window_from, approx)
@@ -248,7 +244,7 @@ class RequestCache:
             self.reuse.note(req, key, r)
         if r.prefix_len > lease.own_from:
             # The tree freed our copies of positions it already held: read its pages instead.
-            key = RadixKey(req.all_ids[: r.aligned_len], req.extra_key)
+            key = RadixKey((req.prompt_ids + req.output_ids)[: r.aligned_len], req.extra_key)
             m = self.tree.match_prefix(MatchPrefixParams(key, full_only=True, approximate=True))
             assert m.prefix_len == r.aligned_len, (m.prefix_len, r.aligned_len)
             lease.slots[: r.aligned_len] = m.device_indices
@@ -260,8 +256,8 @@ class RequestCache:
         return r
 
     def commit(self, req: Holder, lease: Lease, n: int, state_slot: int | None = None) -> None:
-        """Insert ``all_ids[:n]`` while the request keeps running; move its lock to the new node.
-        A track ``state_slot`` the tree does not take is released."""
+        """Insert the first ``n`` of its prompt and output ids while the request keeps running;
+        move its lock to the new node. A track ``state_slot`` the tree does not take is released."""
         r = self._insert(req, lease, n, state_slot)
         if state_slot is not None and not r.recurrent_taken:
             self.drop_track_slot(state_slot)

@@ -9,16 +9,15 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
-from hyloop.cache.component_base import CacheComponent
+from hyloop.cache.component_base import CacheComponent, TreeHook
 from hyloop.cache.component_recurrent import RecurrentComponent, SlotOwner
 from hyloop.cache.component_swa import SWAComponent
 from hyloop.cache.invariants import check_cache
 from hyloop.cache.no_reuse import NoReuseCache
 from hyloop.cache.node import TreeNode
 from hyloop.cache.params import IncLockRefResult
-from hyloop.cache.position_independent.exactness import ApproximateKV
 from hyloop.cache.protocol import PrefixCache
 from hyloop.cache.tree import RadixTree
 from hyloop.pools import KVPool, RecurrentPool
@@ -39,6 +38,7 @@ class UnifiedRadixCache(RadixTree):
         recurrent_allocator: SlotOwner | None = None,
         swa_allocator: PageAllocator | None = None,
         swa_lock_granule: int | None = None,
+        marks: Sequence[TreeHook] = (),
     ) -> None:
         names = tuple(components)
         if set(names) not in _ALLOWED or len(set(names)) != len(names):
@@ -72,7 +72,7 @@ class UnifiedRadixCache(RadixTree):
             aux.append(RecurrentComponent(self, recurrent_allocator))
         elif recurrent_allocator is not None:
             raise ValueError("recurrent_allocator given without the 'recurrent' component")
-        super().__init__(kv_allocator, page_size, aux, [ApproximateKV(page_size)])
+        super().__init__(kv_allocator, page_size, aux, marks)
 
     # -- locks ----------------------------------------------------------------------------------
     def inc_lock_ref(self, node: TreeNode) -> IncLockRefResult:
@@ -157,10 +157,12 @@ def build_cache(
     recurrent: RecurrentPool | None = None,
     sliding_window: int | None = None,
     swa_lock_granule: int | None = None,
+    marks: Sequence[TreeHook] = (),
 ) -> PrefixCache:
     """The UHRC with the components a model's pools need (or the no-reuse stand-in): window
     data when the KV pool has a sliding-window pool (of the model contract's
-    ``sliding_window``), snapshots when there is a recurrent one."""
+    ``sliding_window``), snapshots when there is a recurrent one; ``marks``: hooks over the
+    tree's nodes that keep no data (position-independent reuse's approximate KV)."""
     if kv.swa is not None:
         if sliding_window is None:
             raise ValueError("a sliding-window pool needs the model's sliding_window")
@@ -182,4 +184,6 @@ def build_cache(
             components=("full", "recurrent"),
             recurrent_allocator=recurrent,
         )
-    return cls(kv_allocator=kv.allocator, page_size=kv.page_size, components=("full",))
+    if not enable:
+        return NoReuseCache(kv_allocator=kv.allocator, page_size=kv.page_size, components=("full",))
+    return UnifiedRadixCache(kv.allocator, kv.page_size, marks=marks)

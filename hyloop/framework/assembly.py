@@ -14,6 +14,7 @@ import torch
 
 from hyloop.cache import UnifiedRadixCache
 from hyloop.cache.lease import RequestCache
+from hyloop.cache.position_independent.exactness import ApproximateKV
 from hyloop.cache.position_independent.reuse import PositionIndependentReuse
 from hyloop.cache.unified import build_cache
 from hyloop.framework.config import EngineConfig
@@ -148,13 +149,14 @@ def build_engine(
     # -- cache ----------------------------------------------------------------------------------
     # A window lock pins nodes of at most a prefill chunk (``SWAComponent.lock_cuts``).
     granule = max(kv.page_size, cfg.scheduler.prefill_chunk // kv.page_size * kv.page_size)
-    tree = build_cache(cfg.cache.enable, kv, recurrent, contract.sliding_window, granule)
+    pi = cfg.cache.position_independent
+    marks = [ApproximateKV(kv.page_size)] if pi.enable else []  # reused KV is marked as such
+    tree = build_cache(cfg.cache.enable, kv, recurrent, contract.sliding_window, granule, marks)
     reuse = None
-    if cfg.cache.position_independent.enable:
+    if pi.enable:
         # Refuses, naming why, models whose KV cannot move (recurrent, sliding window).
         shifter = shifter_for(contract, type(model).__name__)
         assert isinstance(tree, UnifiedRadixCache)
-        pi = cfg.cache.position_independent
         reuse = PositionIndependentReuse(tree, kv, shifter, pi, contract.selective_recompute)
     windows = SWAWindows(kv.swa, cfg.scheduler.prefill_chunk) if kv.swa is not None else None
     cache = RequestCache(
@@ -181,7 +183,7 @@ def build_engine(
         tokenizer.eos_ids = tokenizer.eos_ids or list(loaded.eos_token_ids)
         tokenizer.name_or_path = cfg.model.tokenizer or cfg.model.path or loaded.source
     scheduler = Scheduler(cache, cfg.scheduler, max_running, fence, tokenizer, kind.features)
-    recorder = StepRecorder(DeviceClock(device), lambda: graphs.capture_seconds)
+    recorder = StepRecorder(DeviceClock(device), graphs.capture_seconds)
     pipeline = StepPipeline(kind, graphs, scheduler, fence, recorder)
     derived = Derived(
         max_context=max_context,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -18,10 +18,10 @@ class Chunk:
     length: int
     track_slot: int = 0  # recurrent slot to publish the state after this chunk into (0: none)
     out_pos: int = -1  # index of the token this chunk samples; -1: len(req.output_ids)
+    completes_prompt: bool = field(init=False)  # it reaches the prompt's end: it samples
 
-    @property
-    def completes_prompt(self) -> bool:
-        return self.start + self.length >= len(self.req.prompt_ids)
+    def __post_init__(self) -> None:
+        self.completes_prompt = self.start + self.length >= len(self.req.prompt_ids)
 
 
 @dataclass
@@ -29,11 +29,3 @@ class Batch:
     chunks: list[Chunk]
     is_decode: bool
     planned: bool = False  # lookahead: its input ids come from the previous step's output
-
-    @property
-    def size(self) -> int:
-        return len(self.chunks)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.length for c in self.chunks)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from typing import TYPE_CHECKING, Any
 
 from hyloop.cache.lease import RequestCache
@@ -83,6 +83,8 @@ class Engine:
         self._queued: list[Callable[[], None]] = []  # user calls made during a step
         self._queued_ids: set[str] = set()  # adds queued during the step
         self._queued_aborts: set[str] = set()  # aborts queued during the step
+        # ids taken beyond the scheduler's (a front end's: ``hyloop.api.engine``'s fork parents)
+        self.reserved_ids: Container[str] = frozenset()
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(
@@ -105,7 +107,7 @@ class Engine:
             req.arrival_time = arrival_time
         with self._lock:
             live = request_id in self.scheduler and request_id not in self._queued_aborts
-            if live or request_id in self._queued_ids or self._holds(request_id):
+            if live or request_id in self._queued_ids or request_id in self.reserved_ids:
                 raise ValueError(f"request {request_id!r}: id already in use")
             # Drawn only once the request is accepted, so a refused one leaves the seed
             # stream of later requests as it was.
@@ -131,10 +133,6 @@ class Engine:
                 self._queued.append(lambda: self.scheduler.abort(request_id))
             else:
                 self.scheduler.abort(request_id)
-
-    def _holds(self, request_id: str) -> bool:
-        """An id taken beyond the scheduler's (``hyloop.api.engine``: a parent of forks)."""
-        return False
 
     def default_params(self) -> SamplingParams:
         """vLLM's ``SamplingParams()``, under generation_config.json and ``sampling_defaults``."""

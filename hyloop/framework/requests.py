@@ -63,7 +63,9 @@ class Request:
     reused_spans: list[tuple[int, int]] = field(default_factory=list)
     num_reused: int = 0
     num_recomputed: int = 0  # of the reused, tokens selective recompute computed again
-    cache_salt: str | None = None  # its cache namespace (a prompt's ``cache_salt``)
+    extra_key: str | None = None  # its namespace in the radix tree and the donor index
+    # (a prompt's ``cache_salt``)
+    reads_cache: bool = True  # False: computes its whole prompt (it wants prompt logprobs)
     num_emitted: int = 0  # output tokens handed out so far (``delta`` outputs start here)
     text_emitted: int = 0  # characters of output text handed out so far
     text_hold: int = 0  # trailing characters a running output holds back (a feature may cut)
@@ -71,19 +73,6 @@ class Request:
     # Multi-channel models: prompt rows [L, C]; prompt_ids / output_ids then hold row keys.
     prompt_rows: torch.Tensor | None = None
     output_rows: list[list[int]] | None = None
-
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-    @property
-    def reads_cache(self) -> bool:
-        return self.prompt_logprobs is None
-
-    @property
-    def extra_key(self) -> str | None:
-        """Its namespace in the radix tree and the donor index."""
-        return self.cache_salt
 
     def next_prefill_span(self) -> tuple[int, int]:
         """``(start, stop)``: the next prompt positions to compute, from ``num_computed`` past
@@ -282,7 +271,8 @@ def new_request(
         logits=[] if capture_logits else None,
         prompt_rows=rows,
         output_rows=[] if rows is not None else None,
-        cache_salt=cache_salt(f"request {request_id!r}", prompt),
+        extra_key=cache_salt(f"request {request_id!r}", prompt),
+        reads_cache=params.prompt_logprobs is None,
     )
 
 

@@ -198,12 +198,12 @@ class StepRecorder:
         s.step_exec_time += exec_time
         if batch.is_decode:
             s.decode_steps += 1
-            s.decode_tokens += batch.size
+            s.decode_tokens += len(batch.chunks)
             s.decode_time += wall
             s.decode_host_exposed_time += exposed
         else:
             s.prefill_steps += 1
-            s.prefill_tokens_computed += batch.num_tokens
+            s.prefill_tokens_computed += sum(c.length for c in batch.chunks)
             s.prefill_time += wall
 
     def note_captures(self) -> None:

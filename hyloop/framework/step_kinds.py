@@ -102,6 +102,7 @@ class StepKind:
         self.row_shape: tuple[int, ...] = ()
         # a captured step applies every sharing feature once any applies: fewer artifacts
         self.shared = sum(f.bit for f in self.features if f.shares_artifact)
+        self._ahead: list[Feature] = []  # the features of the step launched ahead
 
     # -- what a batch samples with --------------------------------------------------------------
     def filter_group(self, params: SamplingParams) -> tuple[float, int, float]:
@@ -120,7 +121,7 @@ class StepKind:
         reqs = list(reqs)
         params = [r.params for r in reqs]
         nlp = max((max(p.logprobs, 1) for p in params if p.logprobs is not None), default=0)
-        cap = candidate_cap((self.filter_group(p) for p in params), self.vocab_size)
+        cap = candidate_cap([self.filter_group(p) for p in params], self.vocab_size)
         used = {name for r in reqs for name in r.features}
         bits = sum(f.bit for f in self.features if f.name in used)
         if decode and bits & self.shared:
@@ -228,13 +229,16 @@ class StepKind:
                     f.advance(table, req.lease.req_row, req.features[f.name], token)
 
     def run_ahead(self, batch: StepBatch) -> None:
-        """``batch`` is launched before the step it follows is resolved."""
-        for f in self.features:
+        """``batch`` is launched before the step it follows is resolved: the features it
+        applies are told (and settled once that step is)."""
+        self._ahead = [f for f in self.features if batch.features & f.bit]
+        for f in self._ahead:
             f.run_ahead(batch)
 
     def settle(self) -> None:
         """The step launched ahead may read what the host writes: it is written."""
-        for f in self.features:
+        ahead, self._ahead = self._ahead, []
+        for f in ahead:
             f.settle()
 
     def last_rows(self, chunks: list[Chunk]) -> torch.Tensor:
@@ -243,7 +247,7 @@ class StepKind:
 
     def prefill_inputs(self, req: Request, start: int, length: int) -> torch.Tensor:
         """Input ids (or rows) of ``length`` prompt positions from ``start``."""
-        return torch.tensor(req.all_ids[start : start + length], dtype=torch.int64)
+        return torch.tensor((req.prompt_ids + req.output_ids)[start : start + length])
 
     def _prefill(self, chunks: list[Chunk], **static: Any) -> StepBatch:
         """Chunks of ``[B, T]`` rows, padded to the longest chunk."""

@@ -202,7 +202,6 @@ class Graphs:
         return self.runner.capture_times[key]
 
     # -- report ---------------------------------------------------------------------------------
-    @property
     def capture_seconds(self) -> float:
         """Seconds spent capturing (compiling) artifacts so far."""
         return self.runner.capture_seconds

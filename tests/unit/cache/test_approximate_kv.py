@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from hyloop.cache import EvictParams, InsertParams, MatchPrefixParams, RadixKey, UnifiedRadixCache
+from hyloop.cache.position_independent.exactness import ApproximateKV
 from hyloop.pools import PageAllocator
 
 Prefix = tuple[Any, tuple[int, ...]]
@@ -79,7 +80,7 @@ def make_machine(page_size: int) -> type[RuleBasedStateMachine]:
         def __init__(self) -> None:
             super().__init__()
             self.alloc = PageAllocator(num_pages=96 if page_size == 1 else 40, page_size=page_size)
-            self.cache = UnifiedRadixCache(kv_allocator=self.alloc, page_size=page_size)
+            self.cache = UnifiedRadixCache(self.alloc, page_size, marks=[ApproximateKV(page_size)])
             self.ref = Reference(page_size)
             self.keys: list[tuple[Any, tuple[int, ...]]] = []
 
@@ -164,7 +165,7 @@ def test_approximate_kv_against_reference(page_size: int) -> None:
 
 def test_an_exact_node_below_approximate_kv_fails_the_check() -> None:
     alloc = PageAllocator(num_pages=64, page_size=1)
-    cache = UnifiedRadixCache(kv_allocator=alloc, page_size=1)
+    cache = UnifiedRadixCache(alloc, 1, marks=[ApproximateKV(1)])
     value = alloc.alloc(8)
     assert value is not None
     cache.insert(InsertParams(RadixKey(list(range(8))), value, approximate_from=3))
