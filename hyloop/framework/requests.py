@@ -286,7 +286,7 @@ def output_budget(
         max_new = max(1, min(room, kv.capacity - prompt_len))
     else:
         max_new = min(params.max_tokens, room)
-    if kv.pages_for(prompt_len + max_new) > kv.num_pages - 1:
+    if -(-(prompt_len + max_new) // kv.page_size) > kv.num_pages - 1:  # pages it needs
         raise ValueError(
             f"request {request_id!r}: needs {prompt_len + max_new} KV tokens but the pool holds "
             f"{kv.capacity}; raise kv_pool.num_pages or lower max_tokens"
