@@ -153,7 +153,7 @@ class LLM:
     ) -> list[BeamSearchOutput]:
         """vLLM's ``beam_search``: per prompt, its ``params.beam_width`` best sequences (prompt
         ids included), best first; ``concurrency_limit`` prompts are searched at a time (None:
-        all). How it runs: ``framework.beam_search``."""
+        all). How it runs: ``api.beam_search``."""
         self._check_open("beam_search")
         if lora_request is not None:
             raise NotSupportedError("beam_search(): lora_request is not supported by hyloop")

@@ -1,4 +1,4 @@
-"""Structured outputs: a request's grammar (``framework.structured``) as each step's token mask.
+"""Structured outputs: a request's grammar (``features.grammar``) as each step's token mask.
 
 The host writes a request's allowed next tokens into its row of an int32 bitmask (bit ``t`` of
 word ``t // 32``; -1 allows all) when it takes the row and after each resolved token

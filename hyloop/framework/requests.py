@@ -52,7 +52,7 @@ class Request:
     logits: list[torch.Tensor] | None = None  # debug capture (engine.capture_logits)
     finish_reason: str | None = None
     error: str | None = None  # finish reason ``error``: what failed (``framework.faults``)
-    # what each feature it uses keeps of it, by the feature's name (``framework.features``)
+    # what each feature it uses keeps of it, by the feature's name (``hyloop.features``)
     features: dict[str, Any] = field(default_factory=dict)
     lease: Lease | None = None  # what it holds of the pools and the tree while it runs
     num_computed: int = 0  # positions whose KV is written

@@ -70,7 +70,7 @@ class StepKind:
     """What every step kind shares: building ``StepBatch`` rows from a batch's chunks."""
 
     table: ClassVar[type[RequestTable]] = TokenSampling
-    # The per-request features its step applies (``framework.features``), in order.
+    # The per-request features its step applies (``framework.FEATURES``), in order.
     feature_types: ClassVar[list[type[Feature]]] = FEATURES
     # Inductor options a compiled step of this kind takes on CPU unless the config sets them.
     cpu_compile_options: ClassVar[dict[str, Any]] = {}

@@ -1,7 +1,7 @@
 """The token step: one forward and one sampled token per row, every generation feature inside.
 
 Over the last rows' logits, each feature the step applies (``batch.features``), in the order
-``framework.features.FEATURES`` lists them (vLLM's: the structured-output mask, the logits
+``framework.FEATURES`` lists them (vLLM's: the structured-output mask, the logits
 controls, the penalties, ``min_p``), then sampling with temperature, top-k and top-p. Logprobs
 are the raw model's. The step's own sampled ids then update what each feature keeps per request
 (output counts, recent tokens), so no feature needs the host between steps.

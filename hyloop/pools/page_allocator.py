@@ -52,7 +52,7 @@ class PageAllocator:
         self._pending: DeferredFrees[np.ndarray] = DeferredFrees()
         self._is_pending = np.zeros(num_pages, dtype=np.bool_)
         if fence is not None:
-            fence.attach(self.flush_pending)
+            fence.attach(self.flush_pending, self._pending)
 
     # -- capacity -------------------------------------------------------------------------------
     @property

@@ -79,7 +79,7 @@ class RecurrentPool:
         self.fence = fence
         self._pending: DeferredFrees[int] = DeferredFrees()
         if fence is not None:
-            fence.attach(self.flush_pending)
+            fence.attach(self.flush_pending, self._pending)
 
     # -- sizes ----------------------------------------------------------------------------------
     @property

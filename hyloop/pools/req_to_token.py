@@ -30,7 +30,7 @@ class ReqToTokenPool:
         self.fence = fence
         self._pending: DeferredFrees[int] = DeferredFrees()
         if fence is not None:
-            fence.attach(self.flush_pending)
+            fence.attach(self.flush_pending, self._pending)
 
     def available(self) -> int:
         return len(self._free_rows)

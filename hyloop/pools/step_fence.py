@@ -6,13 +6,14 @@ so it is parked under the newest unretired generation and returned when that ret
 nothing unretired a free is immediate, which is all an outside caller of a pool ever sees.
 
 Each pool keeps a ``DeferredFrees``, parks through ``fence.defer_gen`` and registers its release
-with ``fence.attach``, so pools, the loops and the tree share the rule without an ambient mode.
+with ``fence.attach``, so pools, the loops and the tree share the rule without an ambient mode;
+a release is called only while its pool has something parked.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -23,14 +24,19 @@ class StepFence:
     def __init__(self) -> None:
         self.issued = 0
         self.retired = 0
-        self._release: list[Callable[[int], None]] = []
+        self._release: list[tuple[Callable[[int], None], DeferredFrees[Any] | None]] = []
+        self._settle()
 
-    def attach(self, release: Callable[[int], None]) -> None:
-        """``release(through)`` is called whenever generations up to ``through`` retire."""
-        self._release.append(release)
+    def attach(
+        self, release: Callable[[int], None], parked: DeferredFrees[Any] | None = None
+    ) -> None:
+        """``release(through)`` is called whenever generations up to ``through`` retire (only
+        while ``parked`` holds something, when given)."""
+        self._release.append((release, parked))
 
     def issue(self) -> int:
         self.issued += 1
+        self._settle()
         return self.issued
 
     def retire(self, generation: int) -> None:
@@ -38,17 +44,16 @@ class StepFence:
         if generation > self.issued:
             raise ValueError(f"retire of generation {generation}: only {self.issued} issued")
         self.retired = max(self.retired, generation)
-        for release in self._release:
-            release(self.retired)
+        self._settle()
+        for release, parked in self._release:
+            if parked is None or len(parked):
+                release(self.retired)
 
-    @property
-    def defer_gen(self) -> int | None:
-        """The generation a free made now must wait for, or None when no step is unretired."""
-        return self.issued if self.issued > self.retired else None
-
-    @property
-    def idle(self) -> bool:
-        return self.issued == self.retired
+    def _settle(self) -> None:
+        # ``idle``: no step unretired; ``defer_gen``: the generation a free made now must wait
+        # for (None when idle). Plain attributes: every free reads them.
+        self.idle = self.issued == self.retired
+        self.defer_gen: int | None = None if self.idle else self.issued
 
 
 class DeferredFrees(Generic[T]):
