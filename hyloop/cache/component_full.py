@@ -11,10 +11,6 @@ from hyloop.cache.node import FULL, TreeNode
 from hyloop.pools.page_allocator import PageAllocator
 
 
-def _full_stamp(node: TreeNode) -> int:
-    return node.component_data[FULL].last_access
-
-
 class FullComponent(CacheComponent):
     """Every non-root node holds FULL KV (there are no FULL tombstones: evicting FULL removes
     the node). A lock pins the whole path to the root; eviction removes unlocked leaves in LRU
@@ -33,7 +29,7 @@ class FullComponent(CacheComponent):
     def __init__(self, cache: ComponentHost, allocator: PageAllocator) -> None:
         super().__init__(cache)
         self.allocator = allocator
-        self.heap = LeafHeap(_full_stamp)
+        self.heap = LeafHeap()
 
     def _is_evictable_leaf(self, node: TreeNode) -> bool:
         return not node.children and node.component_data[FULL].lock_ref == 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterator
 
-from hyloop.cache.node import ComponentData, TreeNode
+from hyloop.cache.node import FULL, ComponentData, TreeNode
 
 
 class LRUList:
@@ -100,9 +100,12 @@ class LeafHeap:
     for one stamp. The heap is rebuilt only when stale entries far outnumber live leaves.
     """
 
-    def __init__(self, stamp_of: Callable[[TreeNode], int]) -> None:
+    def __init__(self) -> None:
         self._heap: list[tuple[int, int, TreeNode]] = []
-        self._stamp_of = stamp_of
+
+    @staticmethod
+    def _stamp_of(node: TreeNode) -> int:
+        return node.component_data[FULL].last_access
 
     def __len__(self) -> int:
         return len(self._heap)
