@@ -291,7 +291,7 @@ class RadixTree:
         """Release the lock a receipt stands for; a double or foreign release raises and
         changes nothing."""
         if isinstance(params, IncLockRefResult):
-            params = params.to_dec_params()
+            params = DecLockRefParams(receipt_id=params.receipt_id, node_id=params.node.id)
         entry = self._receipts.get(params.receipt_id)
         if entry is None:
             raise ValueError(
