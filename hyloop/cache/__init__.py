@@ -1,7 +1,7 @@
-"""UHRC: the Unified Hybrid Radix Cache (tree core, components, typed params) and NoReuseCache."""
+"""UHRC: the Unified Hybrid Radix Cache (tree core, components, typed params), and its
+no-reuse mode (``NoReuseCache``)."""
 
 from hyloop.cache.key import RadixKey
-from hyloop.cache.no_reuse import NoReuseCache
 from hyloop.cache.node import FULL, RECURRENT, SWA, TreeNode
 from hyloop.cache.params import (
     DecLockRefParams,
@@ -14,8 +14,7 @@ from hyloop.cache.params import (
     MatchPrefixParams,
     MatchResult,
 )
-from hyloop.cache.protocol import PrefixCache
-from hyloop.cache.unified import UnifiedRadixCache
+from hyloop.cache.unified import NoReuseCache, UnifiedRadixCache
 
 __all__ = [
     "FULL",
@@ -31,7 +30,6 @@ __all__ = [
     "MatchPrefixParams",
     "MatchResult",
     "NoReuseCache",
-    "PrefixCache",
     "RadixKey",
     "TreeNode",
     "UnifiedRadixCache",

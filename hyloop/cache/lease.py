@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -44,8 +44,10 @@ from hyloop.cache.params import (
     InsertResult,
     MatchPrefixParams,
 )
-from hyloop.cache.protocol import PrefixCache
 from hyloop.pools import PageAllocator, RecurrentPool, ReqToTokenPool, SlotRole, SWAWindows
+
+if TYPE_CHECKING:
+    from hyloop.cache.unified import UnifiedRadixCache
 
 
 class Holder(Protocol):
@@ -99,7 +101,7 @@ class Lease:
 class RequestCache:
     def __init__(
         self,
-        tree: PrefixCache,
+        tree: UnifiedRadixCache,
         kv: PageAllocator,
         req_to_token: ReqToTokenPool,
         recurrent: RecurrentPool | None,

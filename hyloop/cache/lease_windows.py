@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from hyloop.cache.params import EvictParams, IncLockRefResult, InsertResult
-from hyloop.cache.protocol import PrefixCache
 from hyloop.pools import SWAWindows
 
 if TYPE_CHECKING:
     from hyloop.cache.lease import Holder, Lease
+    from hyloop.cache.unified import UnifiedRadixCache
 
 
 class NoWindows:
@@ -55,7 +55,7 @@ class NoWindows:
 class LeaseWindows(NoWindows):
     """Window pages of the running requests in ``pages``, beside ``tree``'s."""
 
-    def __init__(self, tree: PrefixCache, pages: SWAWindows) -> None:
+    def __init__(self, tree: UnifiedRadixCache, pages: SWAWindows) -> None:
         self.tree = tree
         self.pages = pages
         self.page_size = pages.page_size

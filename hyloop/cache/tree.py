@@ -35,7 +35,7 @@ from hyloop.pools.page_allocator import PageAllocator
 
 class RadixTree:
     """Token keys -> KV slot indices, plus what the auxiliary components keep: a
-    ``PrefixCache`` for callers, a ``ComponentHost`` for components (``UnifiedRadixCache``
+    prefix cache for callers, a ``ComponentHost`` for components (``UnifiedRadixCache``
     builds it from component names)."""
 
     reuses_prefixes: ClassVar[bool] = True

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
+from typing import ClassVar
 
 from hyloop.cache.component_base import CacheComponent, TreeHook
 from hyloop.cache.component_recurrent import RecurrentComponent, SlotOwner
 from hyloop.cache.component_swa import SWAComponent
 from hyloop.cache.invariants import check_cache
-from hyloop.cache.no_reuse import NoReuseCache
 from hyloop.cache.node import TreeNode
-from hyloop.cache.params import IncLockRefResult
-from hyloop.cache.protocol import PrefixCache
+from hyloop.cache.params import IncLockRefResult, InsertParams, InsertResult
 from hyloop.cache.tree import RadixTree
 from hyloop.pools import KVPool, RecurrentPool
 from hyloop.pools.page_allocator import PageAllocator
@@ -151,6 +150,25 @@ class UnifiedRadixCache(RadixTree):
         check_cache(self, held)
 
 
+class NoReuseCache(UnifiedRadixCache):
+    """The UHRC with no reuse, for ``cache.enable=false``: it keeps nothing, so every match
+    misses, and an insert frees the page-aligned part of its value (what a tree would own; the
+    unaligned tail, a snapshot slot and window pages stay with the caller), so the caller's
+    bookkeeping is the one it keeps with reuse; its locks are receipts on the root."""
+
+    reuses_prefixes: ClassVar[bool] = False
+
+    def insert(self, params: InsertParams) -> InsertResult:
+        if len(params.value) != len(params.key):
+            raise ValueError(
+                f"insert: value has {len(params.value)} indices for {len(params.key)} tokens"
+            )
+        n = len(params.key) - len(params.key) % self.page_size
+        if n:
+            self.kv_allocator.free(params.value[:n])
+        return InsertResult(prefix_len=0, aligned_len=n, last_node=self.root, num_freed=n)
+
+
 def build_cache(
     enable: bool,
     kv: KVPool,
@@ -158,7 +176,7 @@ def build_cache(
     sliding_window: int | None = None,
     swa_lock_granule: int | None = None,
     marks: Sequence[TreeHook] = (),
-) -> PrefixCache:
+) -> UnifiedRadixCache:
     """The UHRC with the components a model's pools need (or the no-reuse stand-in): window
     data when the KV pool has a sliding-window pool (of the model contract's
     ``sliding_window``), snapshots when there is a recurrent one; ``marks``: hooks over the

@@ -29,6 +29,7 @@ class ReqToTokenPool:
         # Rows freed while a launched step may read them wait for it (``StepFence``).
         self.fence = fence
         self._pending: DeferredFrees[int] = DeferredFrees()
+        self._parked: set[int] = set()  # the rows in ``_pending``
         if fence is not None:
             fence.attach(self.flush_pending, self._pending)
 
@@ -41,17 +42,19 @@ class ReqToTokenPool:
     def free(self, row: int) -> None:
         """Free ``row`` now, or once the steps that may read it retire (``StepFence``)."""
         bad = not 0 <= row < self.max_requests or row in self._free_rows
-        if bad or row in self._pending.items():
+        if bad or row in self._parked:
             raise ValueError(f"req_to_token: bad free of row {row}")
         gen = self.fence.defer_gen if self.fence is not None else None
         if gen is not None:
             self._pending.park(gen, row)
+            self._parked.add(row)
         else:
             self._free_rows.append(row)
 
     def flush_pending(self, through: int | None = None) -> int:
         """Free pending rows of generations ``<= through`` (all when None)."""
         done = self._pending.take_through(through)
+        self._parked.difference_update(done)
         self._free_rows.extend(done)
         return len(done)
 
@@ -64,5 +67,7 @@ class ReqToTokenPool:
     def check_invariants(self) -> None:
         if len(set(self._free_rows)) != len(self._free_rows):
             raise AssertionError("req_to_token: duplicate free row")
+        if self._parked != set(self._pending.items()):
+            raise AssertionError("req_to_token: parked rows and the pending list disagree")
         if bool(self.table[self.padding_row].any()):
             raise AssertionError("req_to_token: padding row was written")

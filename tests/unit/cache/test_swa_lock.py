@@ -124,9 +124,11 @@ def test_release_before_refuses_a_receipt_that_is_not_outstanding() -> None:
         cache.release_before(receipt, 8)
     with pytest.raises(ValueError, match="not outstanding"):
         cache.pinned_size(receipt, "swa")
-    none = NoReuseCache(cache.kv_allocator)
-    r = none.inc_lock_ref(none.root)
-    assert none.release_before(r, 5) is r and none.pinned_size(r, "swa") == 0
+    none = NoReuseCache(cache.kv_allocator, components=("full", "swa"), sliding_window=4)
+    r = none.release_before(none.inc_lock_ref(none.root), 5)  # a root receipt pins nothing
+    assert none.pinned_size(r, "swa") == 0 and none.pinned_size(r, "full") == 0
+    none.dec_lock_ref(r)
+    assert none.num_outstanding_locks() == 0
 
 
 def windows(pages: int, page_size: int = 1, window: int = 4, chunk: int = 4) -> SWAWindows:
