@@ -121,9 +121,11 @@ def sample(
     argmax either way. ``topk`` (the CPU kernel ``hyloop::topk_rows``, ties to the lower index)
     takes a cap of at most ``NATIVE_TOPK_MAX`` candidates.
     """
+    # The first index of the row's largest logit, as argmax (torch's CPU max over a dim runs
+    # three times faster than its argmax).
+    greedy = logits.max(dim=-1).indices
     if greedy_only:
-        return logits.argmax(dim=-1)
-    greedy = logits.max(dim=-1).indices  # ties to the lower index, as argmax
+        return greedy
     temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     scaled = logits / temp[:, None]
     # temperature inf samples uniformly: finite logits scale to 0, a masked -inf stays out

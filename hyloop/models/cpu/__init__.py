@@ -5,6 +5,7 @@ C++ kernels (``cpu_ops``), set up once per model by ``CpuKernels``."""
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter
 from typing import Any, Literal
 
@@ -14,7 +15,7 @@ from torch import nn
 from hyloop import omp_policy
 from hyloop.models.cpu import cpu_ops
 from hyloop.models.cpu.decoder_stack import DecoderStack, stack_refusal
-from hyloop.models.cpu.kernel_choice import cpu_isa, dense_kernel, panels_vectorised
+from hyloop.models.cpu.kernel_choice import bf16_dot, cpu_isa, dense_kernel, panels_vectorised
 from hyloop.models.cpu.packed_linear import PackedLinear, pack_linears
 from hyloop.models.quant.linear import WeightOnlyLinear
 
@@ -48,6 +49,13 @@ class CpuKernels:
             cpu_ops.register_packed(model)
         self.quantized = [m for m in model.modules() if isinstance(m, WeightOnlyLinear)]
         self.plain = [m for m in model.modules() if type(m) is nn.Linear]  # left to F.linear
+        self.bf16_dot: str | None = None  # how bfloat16 panels run (kernel_choice.bf16_dot)
+        if self.native and any(m.weight.dtype == torch.bfloat16 for m in self.layers):
+            fma = cpu_ops.set_bf16_dot(bf16_dot(cpu_ops.bf16_dot_times) == "fma")
+            self.bf16_dot = "float32 multiply-adds" if fma else "vdpbf16ps"
+        # Integer GEMMs of many rows on AMX tiles where the CPU has them (the same bits);
+        # HYLOOP_CPU_AMX=0 keeps them on the vector tiles.
+        self.amx = self.native and cpu_ops.set_amx(os.environ.get("HYLOOP_CPU_AMX") != "0")
         if self.native:
             for layer in self.quantized:
                 layer.attach_panels()
@@ -74,6 +82,8 @@ class CpuKernels:
         if quant:
             where = "hyloop panels" if self.native else "torch reference"
             kinds = " + ".join(f"{k} x{n}" for k, n in sorted(quant.items()))
+            if self.amx:
+                where += ", AMX tiles for many rows"
             parts.append(f"{kinds}: 16-bit activations per group of 32, integer dots ({where})")
         dense = Counter((str(m.weight.dtype)[6:], m.kernel) for m in self.layers)
         dense.update((str(m.weight.dtype)[6:], "linear") for m in self.plain)
@@ -83,7 +93,9 @@ class CpuKernels:
             "packed": "oneDNN packed",
             "linear": "torch F.linear",
         }
-        parts += [f"{dt} x{n}: {names[k]}" for (dt, k), n in sorted(dense.items())]
+        for (dt, k), n in sorted(dense.items()):
+            how = f" ({self.bf16_dot})" if k == "tiled" and dt == "bfloat16" else ""
+            parts.append(f"{dt} x{n}: {names[k]}{how}")
         where = "C++ kernels" if self.native else "torch reference, slower"
         parts.append(f"attention, RMSNorm, SiLU: hyloop's CPU definitions ({where})")
         if self.stack is not None:
@@ -103,6 +115,8 @@ class CpuKernels:
             "numerics": self.numerics(),
             "choices": chosen,
             "openmp": self.openmp,
+            "bf16_dot": self.bf16_dot,
+            "amx": self.amx,
             "stack": None if self.stack is None else self.stack.describe(),
         }
 

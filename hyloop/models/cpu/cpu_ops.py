@@ -68,7 +68,8 @@ SOURCES = tuple(
 )
 # Part of the library's key, not compiled on their own.
 HEADERS = tuple(
-    Path(__file__).with_name(n) for n in ("attend.h", "cpu_pool.h", "panels.h", "panel_rows.h")
+    Path(__file__).with_name(n)
+    for n in ("attend.h", "cpu_pool.h", "panels.h", "panels_amx.h", "panel_rows.h")
 )
 
 _LIB = torch.library.Library("hyloop", "FRAGMENT")
@@ -149,6 +150,27 @@ def compile_options() -> dict[str, int | bool]:
     it saved (SmolLM2 bf16 batch 1: 64 -> 72-86 tok/s serial)."""
     threads: dict[str, int | bool] = {"cpp.threads": 1} if available() else {}
     return {"emulate_precision_casts": True, **threads}
+
+
+def bf16_dot_times() -> tuple[float, float]:
+    """Seconds of one small bfloat16 panel GEMM on the vdpbf16ps path and on the float32 path
+    (``inf`` for the first where the build has no vdpbf16ps): ``kernel_choice.bf16_dot``'s
+    measurement."""
+    dot, fma = torch.ops.hyloop.bf16_dot_times()
+    return float(dot), float(fma)
+
+
+def set_bf16_dot(fma: bool) -> bool:
+    """Run bfloat16 panels as float32 multiply-adds (``True``) or vdpbf16ps; returns the path
+    now set (a build without vdpbf16ps stays on float32)."""
+    return bool(torch.ops.hyloop.set_bf16_dot(fma))
+
+
+def set_amx(on: bool) -> bool:
+    """Let integer GEMMs of a few rows or more run on AMX tiles (the default) or not; returns
+    whether they now do (``False`` where the CPU, Linux or the build has none). Their integer
+    dot products are exact, so the bits are the same either way."""
+    return bool(torch.ops.hyloop.set_amx(on))
 
 
 def register_packed(model: torch.nn.Module) -> None:

@@ -14,8 +14,11 @@
 #include <sys/mman.h>
 #include <torch/library.h>
 
+#include <chrono>
 #include <cstdlib>
+#include <limits>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -139,6 +142,58 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t k
   return out.view(shape);
 }
 
+// Which bfloat16 GEMM path runs (panels.h: ``g_bf16_fma``); returns the one now set (a build
+// without vdpbf16ps keeps the float32 path).
+bool set_bf16_dot(bool fma) {
+#ifdef HYLOOP_P512_BF16
+  P::g_bf16_fma = fma;
+#endif
+  return P::g_bf16_fma;
+}
+
+// Seconds one 16-row, 8-panel bfloat16 GEMM over K = 1024 takes on this core (weights in L2,
+// best of 7 timings of 16 runs) on the vdpbf16ps path and on the float32 path; the first is
+// +inf where the build has no vdpbf16ps. What the rule in kernel_choice measures: both paths
+// compute the same bits, so only their speed tells them apart.
+std::tuple<double, double> bf16_dot_times() {
+  constexpr int64_t kRows = 16, kK = 1024, kPanels = 8;
+  std::vector<c10::BFloat16> wsrc(kPanels * P::kCols * kK), xsrc(kRows * kK);
+  for (size_t i = 0; i < wsrc.size(); ++i) wsrc[i] = c10::BFloat16(0.001f * static_cast<float>(i % 97));
+  for (size_t i = 0; i < xsrc.size(); ++i) xsrc[i] = c10::BFloat16(0.01f * static_cast<float>(i % 89));
+  const P::Weight shape = P::make_weight(P::kBF16, kPanels * P::kCols, kK, false, 0, nullptr);
+  std::vector<uint8_t> packed(shape.panels * shape.bytes, 0);
+  P::pack_dense(wsrc.data(), kPanels * P::kCols, kK, 0, P::kBF16, packed.data());
+  const P::Weight w = P::make_weight(P::kBF16, kPanels * P::kCols, kK, false, 0, packed.data());
+  std::vector<float> xf(xsrc.begin(), xsrc.end()), out(kRows * kPanels * P::kCols);
+  P::Output o;
+  o.f32 = out.data();
+  o.ld = kPanels * P::kCols;
+  auto time = [&](const float* widened) {
+    P::Rows r;
+    r.m = kRows;
+    r.k = r.ld = kK;
+    r.bf16 = xsrc.data();
+    r.f32 = widened;
+    double best = 1e30;
+    for (int t = 0; t < 7; ++t) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < 16; ++i) P::gemm(w, r, 0, w.panels, o);
+      best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    return best / 16;
+  };
+  const double fma = time(xf.data());
+#ifdef HYLOOP_P512_BF16
+  return {time(nullptr), fma};
+#else
+  return {std::numeric_limits<double>::infinity(), fma};
+#endif
+}
+
+// Whether integer GEMMs of a few rows or more may run on AMX tiles (panels_amx.h); returns
+// whether they now do (false where the CPU or the build has none).
+bool set_amx(bool on) { return P::set_amx_int8(on); }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hyloop, m) {
@@ -148,6 +203,9 @@ TORCH_LIBRARY_FRAGMENT(hyloop, m) {
   m.def(
       "panel_linear(Tensor x, Tensor panels, int kind, int n, int k, int split, bool half, "
       "Tensor? bias) -> Tensor");
+  m.def("set_bf16_dot(bool fma) -> bool");
+  m.def("bf16_dot_times() -> (float, float)");
+  m.def("set_amx(bool on) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(hyloop, CPU, m) {
@@ -155,4 +213,10 @@ TORCH_LIBRARY_IMPL(hyloop, CPU, m) {
   m.impl("pack_panels_i4", &pack_panels_i4);
   m.impl("pack_panels_i8", &pack_panels_i8);
   m.impl("panel_linear", &panel_linear);
+}
+
+TORCH_LIBRARY_IMPL(hyloop, CompositeExplicitAutograd, m) {
+  m.impl("set_bf16_dot", &set_bf16_dot);
+  m.impl("bf16_dot_times", &bf16_dot_times);
+  m.impl("set_amx", &set_amx);
 }

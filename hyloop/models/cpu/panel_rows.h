@@ -1,6 +1,7 @@
 // A GEMM's input rows held in its weight kind's format (panels.h: ``Rows``): float32 rows,
-// bfloat16 rows (even length), or 16-bit codes (as int8 halves) per group of 32 with their
-// scales and sums.
+// bfloat16 rows (even length; with their float32 widening where bfloat16 GEMMs run as float32
+// multiply-adds, ``panels::g_bf16_fma``), or 16-bit codes (as int8 halves) per group of 32 with
+// their scales and sums.
 #pragma once
 
 #include "panels.h"
@@ -19,7 +20,8 @@ class RowsBuffer {
   // Rows for an [m, k] input of `kind`; the buffers only grow (a step's batch size varies).
   void reset(panels::Kind kind, int64_t m, int64_t k) {
     borrowed_ = at::Tensor();
-    if (kind == kind_ && k == k_ && m <= capacity_) {
+    const bool widened = kind == panels::kBF16 && panels::g_bf16_fma;
+    if (kind == kind_ && k == k_ && m <= capacity_ && f32_.empty() != widened) {
       m_ = m;
       return;
     }
@@ -29,7 +31,10 @@ class RowsBuffer {
     capacity_ = m;
     switch (kind) {
       case panels::kF32: f32_.resize(m * k); break;
-      case panels::kBF16: bf16_.assign(m * panels::round_up(k, 2), c10::BFloat16(0.0f)); break;
+      case panels::kBF16:
+        bf16_.assign(m * panels::round_up(k, 2), c10::BFloat16(0.0f));
+        f32_.assign(widened ? bf16_.size() : 0, 0.0f);
+        break;
       case panels::kI4:
       case panels::kI8: {
         const int64_t groups = k / panels::kGroup;
@@ -56,8 +61,12 @@ class RowsBuffer {
         for (int64_t j = 0; j < n; ++j) f32_[i * k_ + c0 + j] = static_cast<float>(src[j]);
         break;
       case panels::kBF16: {
-        c10::BFloat16* dst = bf16_.data() + i * panels::round_up(k_, 2) + c0;
+        const int64_t at = i * panels::round_up(k_, 2) + c0;
+        c10::BFloat16* dst = bf16_.data() + at;
         for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<c10::BFloat16>(src[j]);
+        if (!f32_.empty()) {
+          for (int64_t j = 0; j < n; ++j) f32_[at + j] = static_cast<float>(dst[j]);
+        }
         break;
       }
       case panels::kI4:
@@ -98,6 +107,7 @@ class RowsBuffer {
         break;
       case panels::kBF16:
         r.bf16 = bf16_.data();
+        r.f32 = f32_.empty() ? nullptr : f32_.data();
         r.ld = panels::round_up(k_, 2);
         break;
       case panels::kI4:

@@ -58,6 +58,7 @@ constexpr int64_t kCols = 16;   // output columns per panel (one 512-bit vector 
 constexpr int64_t kGroup = 32;  // quantization group along K
 constexpr int64_t kPrefetch = 64;  // weight rows (k steps) prefetched ahead of the tile
 constexpr int64_t kPrefetchGroups = 8;  // the integer kinds: groups ahead
+constexpr int64_t kAmxMinRows = 12;  // integer GEMMs of this many rows on AMX tiles, where present
 
 enum Kind : int64_t { kF32 = 0, kBF16 = 1, kI4 = 2, kI8 = 3 };
 
@@ -283,10 +284,55 @@ inline void tile_f32(const Rows& x, int64_t m0, const uint8_t* w, int64_t stride
 #endif
 }
 
+// Whether bfloat16 GEMMs run as float32 multiply-adds over the weights widened in registers
+// (``true``) or as vdpbf16ps (``false``; only where the CPU has AVX512_BF16): the same chain, the
+// same bits (a product of two bfloat16 values is exact in float32, so a fused multiply-add is
+// one rounded add, and ``gemm`` runs the float32 one with denormals flushed, as vdpbf16ps
+// flushes them). Set once per process by ``set_bf16_dot`` from the rule in ``kernel_choice``;
+// ``RowsBuffer`` then also holds its bfloat16 rows widened to float32 (``Rows::f32``).
+#ifdef HYLOOP_P512_BF16
+inline bool g_bf16_fma = false;
+#else
+inline bool g_bf16_fma = true;
+#endif
+
 template <int MR, int NP>
 inline void tile_bf16(const Rows& x, int64_t m0, const uint8_t* w, int64_t stride, int64_t k0,
                       int64_t k1, bool resume, float (*tile)[NP][kCols]) {
   const c10::BFloat16* xr = x.bf16 + m0 * x.ld;
+#ifdef HYLOOP_P512
+  if (x.f32 != nullptr) {
+    // Each 64-byte k pair of a panel as two float32 vectors over its 16 columns: the odd k
+    // (each dword's high half) and the even (its low half shifted up), added in that order.
+    const float* xf = x.f32 + m0 * x.ld;
+    const __m512i hi = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+    __m512 acc[MR][NP];
+    for (int m = 0; m < MR; ++m)
+      for (int p = 0; p < NP; ++p) acc[m][p] = resume ? _mm512_loadu_ps(tile[m][p]) : _mm512_setzero_ps();
+    for (int64_t k = k0; k < k1; k += 2) {
+      __m512 odd[NP], even[NP];
+      for (int p = 0; p < NP; ++p) {
+        const auto* wp = reinterpret_cast<const c10::BFloat16*>(w + p * stride);
+        _mm_prefetch(reinterpret_cast<const char*>(wp + (k + 2 * kPrefetch) * kCols), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(wp + (k + 8 * kPrefetch) * kCols), _MM_HINT_T1);
+        const __m512i wv = _mm512_loadu_si512(wp + k * kCols);
+        odd[p] = _mm512_castsi512_ps(_mm512_and_si512(wv, hi));
+        even[p] = _mm512_castsi512_ps(_mm512_slli_epi32(wv, 16));
+      }
+      for (int m = 0; m < MR; ++m) {
+        const __m512 xo = _mm512_set1_ps(xf[m * x.ld + k + 1]);
+        const __m512 xe = _mm512_set1_ps(xf[m * x.ld + k]);
+        for (int p = 0; p < NP; ++p) {
+          acc[m][p] = _mm512_fmadd_ps(xo, odd[p], acc[m][p]);
+          acc[m][p] = _mm512_fmadd_ps(xe, even[p], acc[m][p]);
+        }
+      }
+    }
+    for (int m = 0; m < MR; ++m)
+      for (int p = 0; p < NP; ++p) _mm512_storeu_ps(tile[m][p], acc[m][p]);
+    return;
+  }
+#endif
 #ifdef HYLOOP_P512_BF16
   __m512 acc[MR][NP];
   for (int m = 0; m < MR; ++m)
@@ -526,7 +572,21 @@ inline void store_tile(const Weight& w, int64_t p, int64_t m0, int64_t rows,
       }
       if (out.bf16 != nullptr) {
         c10::BFloat16* o = out.bf16 + (m0 + m) * out.ld + c0;
-        for (int64_t j = 0; j < cols; ++j) o[j] = static_cast<c10::BFloat16>(v[j]);
+        int64_t j = 0;
+#ifdef HYLOOP_P512
+        if (cols == kCols) {  // c10's rounding (to nearest even, a NaN as 0x7FC0), 16 at once
+          const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(v));
+          const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16),
+                                                                 _mm512_set1_epi32(1)),
+                                                _mm512_set1_epi32(0x7FFF));
+          __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+          const __mmask16 nan = _mm512_cmp_ps_mask(_mm512_loadu_ps(v), _mm512_loadu_ps(v), _CMP_UNORD_Q);
+          r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(r));
+          j = kCols;
+        }
+#endif
+        for (; j < cols; ++j) o[j] = static_cast<c10::BFloat16>(v[j]);
       } else {
         std::memcpy(out.f32 + (m0 + m) * out.ld + c0, v, cols * sizeof(float));
       }
@@ -618,8 +678,38 @@ inline void rows_over(const Weight& w, const Rows& x, int64_t p, const Output& o
 // set the pace; 9 to 32 rows in K blocks, ``dense_blocked``), integer kinds 4 x 2 (the unpacked
 // codes of two panels stay in registers); one row runs 4 panels at once (four independent
 // chains in flight, four weight streams).
+// Denormal inputs read as zero and denormal results flushed, for one GEMM (vdpbf16ps' rule,
+// kept by the float32 path of bfloat16 weights).
+struct FlushDenormals {
+  explicit FlushDenormals(bool on) : on_(on) {
+#ifdef HYLOOP_P512
+    if (on_) {
+      csr_ = _mm_getcsr();
+      _mm_setcsr(csr_ | 0x8040);  // FTZ | DAZ
+    }
+#endif
+  }
+  ~FlushDenormals() {
+#ifdef HYLOOP_P512
+    if (on_) _mm_setcsr(csr_);
+#endif
+  }
+  FlushDenormals(const FlushDenormals&) = delete;
+  FlushDenormals& operator=(const FlushDenormals&) = delete;
+
+ private:
+  bool on_;
+  unsigned csr_ = 0;
+};
+
+// Panels [p0, p1) of an int4 / int8 weight on AMX tiles (panels_amx.h); false where the CPU
+// or the process cannot run them.
+inline bool amx_int_gemm(const Weight& w, const Rows& x, int64_t p0, int64_t p1, const Output& out);
+
 inline void gemm(const Weight& w, const Rows& x, int64_t p0, int64_t p1, const Output& out) {
   const bool dense = w.kind == kF32 || w.kind == kBF16;
+  if (!dense && x.m >= kAmxMinRows && amx_int_gemm(w, x, p0, p1, out)) return;
+  const FlushDenormals flush(w.kind == kBF16 && x.f32 != nullptr);
   int64_t p = p0;
   if (x.m == 1 && !dense) {
     for (; p < p1; ++p) rows_over<1, 1>(w, x, p, out);
@@ -628,6 +718,8 @@ inline void gemm(const Weight& w, const Rows& x, int64_t p0, int64_t p1, const O
       for (; p + 8 <= p1; p += 8) rows_over<1, 8>(w, x, p, out);
     }
     for (; p + 4 <= p1; p += 4) rows_over<1, 4>(w, x, p, out);
+  } else if (w.kind == kBF16 && x.f32 != nullptr && x.m == 16) {
+    for (; p < p1; ++p) rows_over<16, 1>(w, x, p, out);
   } else if (dense && x.m > 8 && x.m <= kBlockedRows) {
     for (; p + 2 <= p1; p += 2) dense_blocked<2>(w, x, p, out);
     for (; p < p1; ++p) dense_blocked<1>(w, x, p, out);
@@ -646,3 +738,5 @@ inline void gemm(const Weight& w, const Rows& x, int64_t p0, int64_t p1, const O
 }
 
 }  // namespace hyloop::panels
+
+#include "panels_amx.h"

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hyloop.models.cpu import cpu_ops, numerics
+from hyloop.models.cpu.kernel_choice import bf16_dot
 from hyloop.models.cpu.panels import Panels
 
 needs_kernels = pytest.mark.skipif(
@@ -112,6 +113,25 @@ def test_dense_chain_is_the_panels(dtype: torch.dtype, rows: int, n: int, k: int
     want = Panels.dense(w).linear(x, bias)
     _bits_equal(numerics.dense_linear(x, w, bias), want)
     _bits_equal(numerics.dense_op(x, w, None), Panels.dense(w).linear(x))
+
+
+@needs_kernels
+@pytest.mark.parametrize("fma", [False, True], ids=["vdpbf16ps", "float32"])
+@pytest.mark.parametrize("rows", [1, 3, 9, 16, 33])
+def test_both_bf16_paths_compute_the_chain(fma: bool, rows: int) -> None:
+    """bfloat16 panels as vdpbf16ps and as float32 multiply-adds over the widened weights: the
+    same bits, the reference's (the decoder stack reads the same path)."""
+    g = torch.Generator().manual_seed(rows)
+    spread = torch.exp(torch.randn(80, 576, generator=g))
+    w = (torch.randn(80, 576, generator=g) * spread).bfloat16()
+    x = (torch.randn(rows, 576, generator=g) * 4).bfloat16()
+    bias = torch.randn(80, generator=g)
+    try:
+        assert cpu_ops.set_bf16_dot(fma) == fma or fma is False  # a build without vdpbf16ps
+        _bits_equal(Panels.dense(w).linear(x, bias), numerics.dense_linear(x, w, bias))
+        _bits_equal(Panels.dense(w).linear(x.float()), numerics.dense_linear(x.float(), w, None))
+    finally:
+        cpu_ops.set_bf16_dot(bf16_dot(cpu_ops.bf16_dot_times) == "fma")
 
 
 def test_rms_norm_statistic_is_the_stated_one() -> None:

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from conftest import BF16_PACKED
 from torch import nn
 
-from hyloop.models.cpu import CpuKernels, cpu_ops
-from hyloop.models.cpu.kernel_choice import cpu_isa, dense_kernel
+from hyloop.models.cpu import CpuKernels, cpu_ops, kernel_choice
+from hyloop.models.cpu.kernel_choice import bf16_dot, cpu_isa, dense_kernel
 from hyloop.models.cpu.packed_linear import PackedLinear, pack_linears, packing_available
 
 pytestmark = pytest.mark.skipif(
@@ -41,18 +41,48 @@ def test_the_rule_follows_the_isa_and_the_mode(isa: str, monkeypatch: pytest.Mon
     [
         "avx512f avx512_bf16",  # Zen 4 / Zen 5, Cooper Lake
         "avx512f avx512_bf16 amx_bf16 amx_int8 amx_tile",  # Sapphire Rapids and later
-        "avx512f",  # Skylake-SP .. Ice Lake: bf16 weights stay on oneDNN
+        "avx512f",  # Skylake-SP .. Ice Lake: bfloat16 as float32 multiply-adds
     ],
 )
-def test_bf16_panels_need_the_cpus_bf16_dot_products(
-    flags: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_bf16_panels_run_on_every_avx512_cpu(flags: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HYLOOP_CPU_ISA", "AVX512")
     monkeypatch.setenv("HYLOOP_CPU_FLAGS", flags)
-    oneDNN = "packed" if packing_available(torch.device("cpu"), torch.bfloat16) else "linear"
-    want = "tiled" if "avx512_bf16" in flags else oneDNN
-    assert dense_kernel(torch.bfloat16, native=True) == want
-    assert dense_kernel(torch.float32, native=True) == "tiled"  # fp32 needs AVX-512 alone
+    monkeypatch.delenv("HYLOOP_BF16_DOT", raising=False)
+    assert dense_kernel(torch.bfloat16, native=True) == "tiled"
+    assert dense_kernel(torch.float32, native=True) == "tiled"
+    # Which way the bf16 chain runs: the flags first, then the measured times (the same bits).
+    kernel_choice._measured.cache_clear()
+    dot_slower = bf16_dot(lambda: (2.0, 1.0))
+    kernel_choice._measured.cache_clear()
+    dot_faster = bf16_dot(lambda: (1.0, 0.95))
+    kernel_choice._measured.cache_clear()
+    if "avx512_bf16" in flags:
+        assert (dot_slower, dot_faster) == ("fma", "vdpbf16ps")
+        assert bf16_dot(None) == "vdpbf16ps"
+    else:
+        assert dot_slower == dot_faster == bf16_dot(None) == "fma"
+
+
+def test_bf16_dot_is_overridden_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HYLOOP_CPU_FLAGS", "avx512f avx512_bf16")
+    monkeypatch.setenv("HYLOOP_BF16_DOT", "fma")
+    assert bf16_dot(lambda: (1.0, 5.0)) == "fma"
+    monkeypatch.setenv("HYLOOP_BF16_DOT", "amx")
+    with pytest.raises(ValueError, match="HYLOOP_BF16_DOT='amx'"):
+        bf16_dot(None)
+
+
+@native
+def test_a_bf16_model_names_its_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HYLOOP_CPU_ISA", "AVX512")
+    monkeypatch.setenv("HYLOOP_BF16_DOT", "fma")
+    try:
+        cpu = CpuKernels(_model(torch.bfloat16), pack=True, native=True)
+        assert cpu.bf16_dot == "float32 multiply-adds"
+        assert "bfloat16 x2: hyloop panels (float32 multiply-adds)" in cpu.numerics()
+    finally:
+        monkeypatch.delenv("HYLOOP_BF16_DOT")
+        cpu_ops.set_bf16_dot(bf16_dot(cpu_ops.bf16_dot_times) == "fma")
 
 
 def _model(dtype: torch.dtype = torch.float32) -> nn.Module:
