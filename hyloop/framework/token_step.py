@@ -41,6 +41,7 @@ class TokenStep(StepKind):
             self.tok_hash,
             batch.top_cap,
             batch.greedy_only,
+            argmax=batch.pools.compute.argmax,
         )
         for f in applied:
             f.after_sample(s, batch, next_ids)

@@ -109,6 +109,7 @@ def sample(
     top_cap: int,
     greedy_only: bool = False,
     topk: TopK | None = None,
+    argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Next token ids ``[B]`` (int64) from fp32 ``logits [B, V]``.
 
@@ -119,11 +120,12 @@ def sample(
     vocabulary), which hold its top-k.
     ``greedy_only`` (static) skips the noise when every row is greedy; the result is the same
     argmax either way. ``topk`` (the CPU kernel ``hyloop::topk_rows``, ties to the lower index)
-    takes a cap of at most ``NATIVE_TOPK_MAX`` candidates.
+    takes a cap of at most ``NATIVE_TOPK_MAX`` candidates; ``argmax`` (the CPU kernel
+    ``hyloop::argmax_rows``) computes torch's argmax of each row.
     """
-    # The first index of the row's largest logit, as argmax (torch's CPU max over a dim runs
-    # three times faster than its argmax).
-    greedy = logits.max(dim=-1).indices
+    # The first index of the row's largest logit (torch's CPU max over a dim runs three times
+    # faster than its argmax, the same indices).
+    greedy = argmax(logits) if argmax is not None else logits.max(dim=-1).indices
     if greedy_only:
         return greedy
     temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))

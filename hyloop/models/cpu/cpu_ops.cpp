@@ -118,6 +118,71 @@ std::tuple<at::Tensor, at::Tensor> topk_rows(const at::Tensor& x, int64_t k) {
   return {values, indices};
 }
 
+// The first index of each row's largest value, as torch's argmax over a row: a NaN is the
+// largest (the first NaN's index), ties go to the lower index.
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "argmax_rows: x must be fp32 [B, V]");
+  const int64_t B = x.size(0), V = x.size(1);
+  TORCH_CHECK(V > 0, "argmax_rows: empty rows");
+  const auto xc = x.contiguous();
+  auto out = at::empty({B}, xc.options().dtype(at::kLong));
+  const float* xp = xc.const_data_ptr<float>();
+  int64_t* op = out.mutable_data_ptr<int64_t>();
+  hyloop::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const float* row = xp + b * V;
+      int64_t i = 0, best = 0;
+      float top = row[0];
+#ifdef HYLOOP_A512
+      if (V >= 32 && V <= INT32_MAX) {
+        // Per lane: its largest value and the first index holding it; a NaN lane ends the
+        // vector scan and the row is finished by the scalar loop from its first NaN block.
+        __m512 lane_max = _mm512_loadu_ps(row);
+        __m512i lane_idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        __m512i idx = lane_idx;
+        const __m512i step = _mm512_set1_epi32(16);
+        bool nan = _mm512_cmp_ps_mask(lane_max, lane_max, _CMP_UNORD_Q) != 0;
+        for (i = 16; !nan && i + 16 <= V; i += 16) {
+          idx = _mm512_add_epi32(idx, step);
+          const __m512 v = _mm512_loadu_ps(row + i);
+          nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0;
+          const __mmask16 gt = _mm512_cmp_ps_mask(v, lane_max, _CMP_GT_OQ);
+          lane_max = _mm512_mask_mov_ps(lane_max, gt, v);
+          lane_idx = _mm512_mask_mov_epi32(lane_idx, gt, idx);
+        }
+        if (!nan) {
+          alignas(64) float vals[16];
+          alignas(64) int32_t ids[16];
+          _mm512_store_ps(vals, lane_max);
+          _mm512_store_si512(ids, lane_idx);
+          top = vals[0];
+          best = ids[0];
+          for (int l = 1; l < 16; ++l)
+            if (vals[l] > top || (vals[l] == top && ids[l] < best)) {
+              top = vals[l];
+              best = ids[l];
+            }
+        } else {
+          i = 0;  // a NaN somewhere: the scalar rule over the whole row
+          top = row[0];
+          best = 0;
+        }
+      }
+#endif
+      for (i = std::max<int64_t>(i, 1); i < V; ++i) {
+        const float v = row[i];
+        if (std::isnan(top)) break;
+        if (std::isnan(v) || v > top) {
+          top = v;
+          best = i;
+        }
+      }
+      op[b] = best;
+    }
+  });
+  return out;
+}
+
 template <typename T>
 inline float widen(T v) {
   return static_cast<float>(v);
@@ -274,6 +339,7 @@ TORCH_LIBRARY_FRAGMENT(hyloop, m) {
   m.def("unregister_packed(int handle) -> ()", &unregister_packed);
   m.def("packed_linear_native(Tensor x, int handle) -> Tensor");
   m.def("topk_rows(Tensor x, int k) -> (Tensor values, Tensor indices)");
+  m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("vector_math(Tensor x, int op) -> Tensor", &vector_math);
 }
 
@@ -281,6 +347,7 @@ TORCH_LIBRARY_IMPL(hyloop, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("packed_linear_native", &packed_linear_native);
   m.impl("topk_rows", &topk_rows);
+  m.impl("argmax_rows", &argmax_rows);
   m.impl("rms_norm", &rms_norm);
   m.impl("silu", &silu);
 }

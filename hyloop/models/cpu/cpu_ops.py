@@ -6,7 +6,9 @@
   the kv_len bucket (inductor makes the column softmax a parallel reduction per row, and eager
   gathers and converts every column first).
 - ``hyloop::topk_rows(x [B, V] fp32, k) -> (values, indices)``: the k largest per row,
-  descending, ties to the lower index (a sampler's few candidates).
+  descending, ties to the lower index (a sampler's few candidates); ``hyloop::argmax_rows(x)
+  -> [B]``: torch's argmax of each row (a NaN the largest, ties to the lower index), the
+  greedy rows' token, split over the thread pool.
 - ``hyloop::packed_linear_native(x, handle)``: ``PackedLinear``'s GEMM with no Python kernel, for
   a compiled step's C++ wrapper to call directly; ``register_packed`` hands it the weights.
 - ``hyloop::pack_panels(weight [N, K] fp32 | bf16, split)``, ``pack_panels_i4(codes [N, K]
@@ -14,7 +16,10 @@
   scale [N, K / 32] fp32, split)`` -> uint8 panels (``cpu_panels.cpp``, layouts in
   ``panels.h``; large ones on huge pages), and ``hyloop::panel_linear(x [.., K], panels, kind,
   n, k, split, half, bias?) -> [.., N]`` in ``x``'s dtype: the ``tiled`` kernel of every
-  ``PackedLinear`` and weight-only Linear (``panels.Panels``);
+  ``PackedLinear`` and weight-only Linear (``panels.Panels``); ``hyloop::set_bf16_dot(fma)``
+  and ``hyloop::bf16_dot_times()``: which of two ways bfloat16 panels run (the same bits) and
+  what each takes here (``kernel_choice.bf16_dot``); ``hyloop::set_amx(on)``: integer GEMMs of
+  12 rows or more on AMX tiles where the CPU has them (``panels_amx.h``, the same bits);
 - ``hyloop::decode_layers(x [B, H], handle, k_bufs!, v_bufs!, loc [B], slots [B, L],
   bias [B, L], cos, sin [B, rot]) -> [B, H]`` (``cpu_decoder.cpp``): every decoder layer of a
   dense model for one new token per row, registered once with ``stack_create`` /
@@ -89,6 +94,10 @@ def _decode_attention_fake(
     scale: float,
 ) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def _argmax_rows_fake(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0],), dtype=torch.long)
 
 
 def _topk_rows_fake(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,6 +256,7 @@ def _load(build: bool) -> bool:
         # Same output as the Python-kernel hyloop::packed_linear.
         torch.library.register_fake("hyloop::packed_linear_native", _packed_linear_fake)
         torch.library.register_fake("hyloop::topk_rows", _topk_rows_fake)
+        torch.library.register_fake("hyloop::argmax_rows", _argmax_rows_fake)
         torch.library.register_fake("hyloop::panel_linear", _panel_linear_fake)
         torch.library.register_fake("hyloop::decode_layers", _decode_layers_fake)
     except (OSError, RuntimeError, subprocess.CalledProcessError) as e:

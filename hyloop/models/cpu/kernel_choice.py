@@ -6,8 +6,9 @@ a busy machine and a warm one would compute other tokens. So each mode names one
 and the rule below only says which implementation of it runs here:
 
 - a weight-only int4 / int8 Linear: 16-bit activations per group of 32 (``quant.reference``),
-  on hyloop's panels where the CPU kernels are loaded, on torch's reference ops elsewhere (the
-  same bits);
+  on hyloop's panels where the CPU kernels are loaded (their exact integer dots on AMX tiles
+  for 12 rows or more where the CPU has them, ``panels_amx.h``), on torch's reference ops
+  elsewhere (the same bits);
 - a dense float32 / bfloat16 Linear (``model.cpu_kernels=auto``): hyloop's panel GEMM
   (``panels.h``: every output one sequential chain of fused multiply-adds over K, whatever the
   row count) where the CPU has AVX-512 (the ISA they are vectorised for): the C++ panels where

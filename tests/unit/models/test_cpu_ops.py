@@ -226,3 +226,23 @@ def test_a_missing_library_is_built_once_with_a_line_saying_so(
     cpu_ops._build_once(compiler, path)  # already there: no second build
     assert "building" not in capsys.readouterr().err
     assert {p.name for p in path.parent.iterdir()} == {path.name, path.with_suffix(".lock").name}
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 31, 32, 100, 49152])
+def test_argmax_rows_is_torchs_argmax(vocab: int) -> None:
+    """The greedy rows' kernel: the first index of the largest value, a NaN the largest."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab, generator=g)
+    x[1] = -torch.inf  # every value the same: index 0
+    x[2] = torch.randint(0, 3, (vocab,), generator=g).float()  # ties everywhere
+    if vocab > 20:
+        x[3, 5], x[3, 17] = torch.nan, torch.nan  # the first NaN wins
+        x[4, vocab - 1] = torch.nan  # a NaN in the tail
+        x[5, [3, vocab - 2]] = 1e9  # the same maximum twice, in a lane and the tail
+        x[6, 16 * (vocab // 32)] = 1e9
+    x[7] = torch.where(x[7] > 0, torch.zeros_like(x[7]), -torch.zeros_like(x[7]))  # +0 / -0
+    got = torch.ops.hyloop.argmax_rows(x)
+    assert got.dtype == torch.long
+    assert got.tolist() == x.argmax(dim=-1).tolist() == x.max(dim=-1).indices.tolist()
+    empty = torch.ops.hyloop.argmax_rows(x[:0])
+    assert empty.shape == (0,)

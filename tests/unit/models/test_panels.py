@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hyloop.models.cpu import cpu_ops
+from hyloop.models.cpu import cpu_ops, kernel_choice
 from hyloop.models.cpu.packed_linear import PackedLinear
 from hyloop.models.cpu.panels import Panels
 from hyloop.models.quant import Int4Linear, Int8Linear, int4_from_dense, int8_from_dense
@@ -133,6 +133,41 @@ def test_int8_panels_are_their_integer_arithmetic(rows: int, k: int) -> None:
     got = Panels.int8(r8).linear(x)
     _close(got, _int8_reference(x, r8), 1e-6)
     _close(got, F.linear(x, r8.dequantize()), 2e-2)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int4-fp32-scales", "int8"])
+@pytest.mark.parametrize("rows", [12, 16, 17, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_integer_panels_on_amx_tiles_keep_the_vector_tiles_bits(
+    kind: str, rows: int, dtype: torch.dtype
+) -> None:
+    """Where the CPU has AMX, integer GEMMs of 12 rows or more run on tiles (exact integer
+    dots, the same chain after them); elsewhere ``set_amx`` says so and both runs are vectors."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(80, 576, generator=g) * 0.05
+    if kind == "int8":
+        p = Panels.int8(int8_from_dense(w))
+    else:
+        groups = int4_from_dense(w)
+        if kind == "int4":  # a GGUF file's fp16 scales and minimums
+            groups = Int4Groups(
+                groups.codes, groups.scale.half().float(), groups.min.half().float()
+            )
+        p = Panels.int4(groups)
+    x = (torch.randn(rows, 576, generator=g) * 3).to(dtype)
+    try:
+        cpu_ops.set_amx(False)
+        vectors = p.linear(x)
+        on = cpu_ops.set_amx(True)
+        tiles = p.linear(x)
+    finally:
+        cpu_ops.set_amx(True)
+    assert torch.equal(
+        tiles.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+        vectors.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+    )
+    flags = kernel_choice.cpu_flags()
+    assert not on or {"amx_tile", "amx_int8"} <= flags  # tiles only where the CPU has them
 
 
 def test_bf16_activations_on_integer_panels() -> None:

@@ -37,6 +37,7 @@ class TorchPath:
     """Plain torch ops (the eager path, and CUDA graphs without a compile inside)."""
 
     topk: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None = None
+    argmax: Callable[[torch.Tensor], torch.Tensor] | None = None  # fp32 [B, V] -> [B]
     # A model's decoder layers as one call for decode steps (``models.cpu.DecoderStack``).
     stack: Any = None
 
@@ -175,6 +176,7 @@ class NativePath(TorchPath):
         self.stack = stack
         self.attend = torch.ops.hyloop.decode_attention if native else numerics.attention_op
         self.topk = torch.ops.hyloop.topk_rows if native else numerics.topk
+        self.argmax = torch.ops.hyloop.argmax_rows if native else None
 
     def prefill(
         self,
