@@ -204,7 +204,7 @@ class LLM:
         make_bar = use_tqdm if callable(use_tqdm) else tqdm
         bar = make_bar(total=len(ids), desc="requests", disable=not use_tqdm, dynamic_ncols=True)
         s0 = dict(self.engine.stats()) if use_tqdm else {}  # the bar's rates only
-        t0 = shown = time.perf_counter()
+        shown = time.perf_counter()
         pending = set(ids)
         try:
             while pending and self.engine.has_unfinished_requests():
@@ -222,7 +222,6 @@ class LLM:
         finally:  # a consumer that stops early (or an error) leaves nothing running
             self.engine.abort_request(pending)
             bar.close()
-            self.last_run_seconds = time.perf_counter() - t0
 
     def drain(self) -> None:
         """Admit nothing more: requests already running finish, the rest end ``abort`` (safe

@@ -13,7 +13,6 @@ FULL = 0
 SWA = 1
 RECURRENT = 2
 NUM_COMPONENTS = 3
-COMPONENT_NAMES = ("full", "swa", "recurrent")
 
 _node_ids = itertools.count(1)
 
@@ -76,10 +75,6 @@ class TreeNode:
     @property
     def full_value(self) -> torch.Tensor:
         return self.component_data[FULL].value
-
-    @property
-    def is_root(self) -> bool:
-        return self.parent is None
 
     @property
     def start_depth(self) -> int:

@@ -247,7 +247,8 @@ class StepKind:
 
     def prefill_inputs(self, req: Request, start: int, length: int) -> torch.Tensor:
         """Input ids (or rows) of ``length`` prompt positions from ``start``."""
-        return torch.tensor((req.prompt_ids + req.output_ids)[start : start + length])
+        ids = (req.prompt_ids + req.output_ids)[start : start + length]
+        return torch.tensor(ids, dtype=torch.int64)
 
     def _prefill(self, chunks: list[Chunk], **static: Any) -> StepBatch:
         """Chunks of ``[B, T]`` rows, padded to the longest chunk."""

@@ -81,6 +81,9 @@ struct Workspace {
   int64_t rows = 0, threads = 0;  // capacity: the largest batch and team seen
   std::vector<float> resid, qkv, proj, gate_up, act;
   hyloop::RowsBuffer in_rows, attn_rows, mlp_rows, down_rows;
+  // Per rank, for a batch of at most one row per rank: every rank normalises every row into
+  // its own buffers, so the norm phases need no barrier (and no rank idles through them).
+  std::vector<hyloop::RowsBuffer> own_in, own_mlp;
   std::vector<std::vector<float>> scratch;  // per rank: attention scores and accumulators
 };
 
@@ -326,8 +329,18 @@ void ensure_workspace(Stack& s, int64_t rows, int64_t threads) {
   ws.attn_rows.reset(l0.o.w.kind, rows, q);
   ws.mlp_rows.reset(l0.gate_up.w.kind, rows, sp.hidden);
   ws.down_rows.reset(l0.down.w.kind, rows, sp.inter);
-  if (ws.threads < threads) ws.scratch.resize(threads);
+  if (ws.threads < threads) {
+    ws.scratch.resize(threads);
+    ws.own_in.resize(threads);
+    ws.own_mlp.resize(threads);
+  }
   ws.threads = std::max(ws.threads, threads);
+  if (rows <= threads) {
+    for (int64_t r = 0; r < threads; ++r) {
+      ws.own_in[r].reset(l0.qkv.w.kind, rows, sp.hidden);
+      ws.own_mlp[r].reset(l0.gate_up.w.kind, rows, sp.hidden);
+    }
+  }
 }
 
 // [lo, hi) of `n` units for rank r of t.
@@ -413,17 +426,23 @@ void run_layers(Stack& s, const StepInputs& in, int64_t B, int rank, hyloop::Tea
     clock.mark(kWait);
   };
   const size_t n_layers = s.layers.size();
+  const bool own = B <= T_;  // every rank normalises every row (Workspace::own_in)
   for (size_t li = 0; li < n_layers; ++li) {
     const Layer& l = s.layers[li];
     const Layer& after = s.layers[li + 1 < n_layers ? li + 1 : li];
-    // 1. input norm -> the qkv GEMM's rows
-    for (int64_t b = rank; b < B; b += T_) {
+    // 1. input norm -> the qkv GEMM's rows (a row per rank, or each rank all rows: `own`)
+    hyloop::RowsBuffer& in_rows = own ? ws.own_in[rank] : ws.in_rows;
+    for (int64_t b = own ? 0 : rank; b < B; b += own ? 1 : T_) {
       rms_norm(ws.resid.data() + b * H, l.in_norm.const_data_ptr<float>(), H, sp.eps, bf, norm_row);
-      ws.in_rows.set_row(b, norm_row);
+      in_rows.set_row(b, norm_row);
     }
-    sync(kNorm, l.qkv, 2);
+    if (own) {
+      clock.mark(kNorm);
+    } else {
+      sync(kNorm, l.qkv, 2);
+    }
     // 2. qkv
-    gemm_share(l.qkv, ws.in_rows.view(), ws.qkv.data(), nqkv, 2, rank, T_);
+    gemm_share(l.qkv, in_rows.view(), ws.qkv.data(), nqkv, 2, rank, T_);
     sync(kQkv, l.o, 2);
     // 3. attention, (row, kv head, query heads) tasks; each writes its heads' columns of the o
     // GEMM's rows. Contiguous runs of tasks per rank: a row's kv heads read neighbouring parts
@@ -446,16 +465,21 @@ void run_layers(Stack& s, const StepInputs& in, int64_t B, int rank, hyloop::Tea
     gemm_residual(l.o, ws.attn_rows.view(), ws, B, H, bf, rank, T_);
     sync(kO, l.gate_up, 4);
     // 5. post-attention norm -> the gate/up GEMM's rows
-    for (int64_t b = rank; b < B; b += T_) {
+    hyloop::RowsBuffer& mlp_rows = own ? ws.own_mlp[rank] : ws.mlp_rows;
+    for (int64_t b = own ? 0 : rank; b < B; b += own ? 1 : T_) {
       rms_norm(ws.resid.data() + b * H, l.post_norm.const_data_ptr<float>(), H, sp.eps, bf,
                norm_row);
-      ws.mlp_rows.set_row(b, norm_row);
+      mlp_rows.set_row(b, norm_row);
     }
-    sync(kNorm, l.gate_up, 4);
+    if (own) {
+      clock.mark(kNorm);
+    } else {
+      sync(kNorm, l.gate_up, 4);
+    }
     // 6. gate/up in units of two panel pairs (32 columns: whole groups for a quantized down),
     // then SiLU(gate) * up on this rank's columns -> the down GEMM's rows
     {
-      const auto [p0, p1] = gemm_share(l.gate_up, ws.mlp_rows.view(), ws.gate_up.data(), 2 * I, 4,
+      const auto [p0, p1] = gemm_share(l.gate_up, mlp_rows.view(), ws.gate_up.data(), 2 * I, 4,
                                        rank, T_);
       const int64_t c0 = p0 / 2 * P::kCols, c1 = std::min(I, p1 / 2 * P::kCols);
       for (int64_t b = 0; b < B && c0 < c1; ++b) {
