@@ -18,11 +18,32 @@ RESUME = (
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command (``argv`` None: the process's own arguments, and the process ends after it;
+    a list: a call from Python, e.g. a test, which leaves the process's signals alone)."""
     try:
         return _main(argv)
     except KeyboardInterrupt:  # before a job's own handlers were in place
         print("hyloop: interrupted by SIGINT; no row ran", file=sys.stderr)
         return 130
+    finally:
+        if argv is None:
+            _quiet_teardown()
+
+
+def _quiet_teardown() -> None:
+    """The command is done and what it wrote is flushed: a SIGINT / SIGTERM that comes while
+    the interpreter tears down (its finalizers, the pools' threads) ends the process at once with
+    its signal's code, not with a KeyboardInterrupt traceback from inside a finalizer."""
+    import os
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: os._exit(128 + signum))
 
 
 def _main(argv: list[str] | None) -> int:

@@ -37,14 +37,14 @@ as there are free cores) or OpenMP's sleeping ones; ``HYLOOP_CPU_POOL=0`` always
 ``layers.attention.NativePath`` is the compute path over the first two; ``bench/tts_frames.py``
 and ``bench/decode_step.py`` measure what each saves.
 
-The library is ``$HYLOOP_CACHE_DIR/cpu_ops/<key>.so``, keyed by the sources, torch and the CPU (it
-is built with ``-march=native``). A missing library is
-built when a model is about to load (once per machine, about 30 s on 2 cores, with a line on
-stderr saying so and how long it took; processes building at once wait for one build). Without a
+The library is ``$HYLOOP_CACHE_DIR/cpu_ops/<key>.so``, keyed by the sources, torch, the CPU and the
+flags (it is built with ``-march=native``; ``HYLOOP_CPU_MARCH`` names another target, e.g.
+``x86-64-v3`` for an AVX2 CPU's kernels, with ``HYLOOP_CPU_ISA=AVX2`` for the rule). A missing
+library is built when a model is about to load (once per machine, about 30 s on 2 cores, with a line
+on stderr saying so and how long it took; processes building at once wait for one build). Without a
 compiler, or when the build fails, it says why in one line and callers run the kernels' torch
 definitions (``numerics``, ``quant.reference``), which compute the same bits, only slower.
-``HYLOOP_CPU_OPS=0`` turns the kernels off.
-"""
+``HYLOOP_CPU_OPS=0`` turns the kernels off."""
 
 from __future__ import annotations
 
@@ -204,7 +204,7 @@ def _flags() -> list[str]:
     # ``numerics.py`` writes in torch ops); fused multiply-adds are the explicit ones.
     opts = [
         "-O3",
-        "-march=native",
+        f"-march={os.environ.get('HYLOOP_CPU_MARCH') or 'native'}",
         "-ffp-contract=off",
         "-shared",
         "-fPIC",

@@ -21,7 +21,8 @@ class RowsBuffer {
   void reset(panels::Kind kind, int64_t m, int64_t k) {
     borrowed_ = at::Tensor();
     const bool widened = kind == panels::kBF16 && panels::g_bf16_fma;
-    if (kind == kind_ && k == k_ && m <= capacity_ && f32_.empty() != widened) {
+    const bool same_widening = kind != panels::kBF16 || f32_.empty() != widened;
+    if (kind == kind_ && k == k_ && m <= capacity_ && same_widening) {
       m_ = m;
       return;
     }
