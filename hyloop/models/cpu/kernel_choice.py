@@ -12,21 +12,18 @@ and the rule below only says which implementation of it runs here:
 - a dense float32 / bfloat16 Linear (``model.cpu_kernels=auto``): hyloop's panel GEMM
   (``panels.h``: every output one sequential chain of fused multiply-adds over K, whatever the
   row count) where the CPU has AVX-512 (the ISA they are vectorised for): the C++ panels where
-  the kernels are loaded, their torch
-  definition (``numerics.dense_linear``, ``reference``: the same bits, far slower) where they
-  are not; on other CPUs oneDNN's GEMM over a weight packed once (``packed``), or ``F.linear``
-  where oneDNN cannot pack the dtype (``linear``). ``model.cpu_kernels=packed`` names oneDNN
-  everywhere.
+  the kernels are loaded, their torch definition (``numerics.dense_linear``, ``reference``: the
+  same bits, far slower) where they are not; on other CPUs oneDNN's GEMM over a weight packed
+  once (``packed``), or ``F.linear`` where oneDNN cannot pack the dtype (``linear``).
+  ``model.cpu_kernels=packed`` names oneDNN everywhere.
 
 So a dense row's bits follow the dtype and the ISA alone, never whether the kernels are built
-(the quantized modes' bits are the same everywhere). A bfloat16 chain runs one of two ways
-that compute the same bits (``bf16_dot``): float32 fused multiply-adds over the weights
-widened in registers, or ``vdpbf16ps`` where the CPU has AVX512_BF16 and it is the faster of
-the two here, as measured once per process; since the bits are the same, a measurement may
-choose between them. ``HYLOOP_CPU_ISA`` names the ISA the rule
-reads (``AVX512``,
-``AVX2``, ``DEFAULT``) and ``HYLOOP_CPU_FLAGS`` the flags, so a test covers a CPU that lacks
-one.
+(the quantized modes' bits are the same everywhere). A bfloat16 chain runs one of two ways that
+compute the same bits (``bf16_dot``): float32 fused multiply-adds over the weights widened in
+registers, or ``vdpbf16ps`` where the CPU has AVX512_BF16 and it is the faster of the two here,
+as measured once per process; since the bits are the same, a measurement may choose between
+them. ``HYLOOP_CPU_ISA`` names the ISA the rule reads (``AVX512``, ``AVX2``, ``DEFAULT``) and
+``HYLOOP_CPU_FLAGS`` the flags, so a test covers a CPU that lacks one.
 """
 
 from __future__ import annotations
