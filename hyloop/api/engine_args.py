@@ -58,6 +58,25 @@ def _generation_overrides(value: dict[str, Any]) -> list[str]:
     return out
 
 
+def _speculative(value: dict[str, Any] | str) -> list[str]:
+    """vLLM's ``speculative_config`` (a dict, or its JSON on the command line): n-gram
+    prompt lookup maps to the ``speculative`` section; another method is refused."""
+    spec = json.loads(value) if isinstance(value, str) else dict(value)
+    method = spec.pop("method", None) or ("ngram" if spec.pop("model", None) == "[ngram]" else None)
+    if method != "ngram":
+        raise NotSupportedError(
+            f"speculative_config method={method!r}: hyloop speculates with ngram (prompt lookup)"
+        )
+    out = ["speculative.method=ngram"]
+    for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+        if spec.get(name) is not None:
+            out.append(f"speculative.{name}={spec.pop(name)}")
+        spec.pop(name, None)
+    if spec:
+        raise NotSupportedError(f"speculative_config: {sorted(spec)} not applied by hyloop")
+    return out
+
+
 # name -> (CLI type, how a given value maps onto the config)
 _MAPPED: dict[str, tuple[Any, Callable[[Any], list[str]]]] = {
     "model": (str, _key("model.path")),
@@ -76,6 +95,7 @@ _MAPPED: dict[str, tuple[Any, Callable[[Any], list[str]]]] = {
     "generation_config": (str, _key("model.generation_config")),
     "override_generation_config": (json.loads, _generation_overrides),
     "max_logprobs": (int, _key("model.max_logprobs")),
+    "speculative_config": (json.loads, _speculative),
 }
 # vLLM arguments with no effect in hyloop, at their neutral value: another value is logged
 # (``None`` in the set: any value is fine) or, for those in _REFUSED, an error.
@@ -102,7 +122,6 @@ _INERT: dict[str, Any] = {
     "quantization": None,
     "kv_cache_dtype": "auto",
     "enable_lora": False,
-    "speculative_config": None,
     "hf_overrides": None,
     "compilation_config": None,
     "distributed_executor_backend": None,
@@ -127,7 +146,6 @@ _REFUSED = {
     "cpu_offload_gb",
     "kv_cache_dtype",
     "enable_lora",
-    "speculative_config",
     "hf_overrides",
     "skip_tokenizer_init",
     "distributed_executor_backend",

@@ -36,6 +36,15 @@ def render_summary(llm: Any) -> str:
         f"decode         {s['decode_tokens']} tokens in {s['decode_steps']} steps"
         + (f"    {s['decode_tokens'] / dt:.1f} tok/s" if dt else ""),
     ]
+    if "spec_verify_steps" in s:
+        spec = cfg.speculative
+        lines.append(
+            f"speculative    {spec.method} (k {spec.num_speculative_tokens}, n-grams "
+            f"{spec.prompt_lookup_min}..{spec.prompt_lookup_max})    "
+            f"{s['spec_verify_steps']} verify steps    accepted {s['spec_accepted_tokens']} of "
+            f"{s['spec_draft_tokens']} drafts ({s['spec_acceptance_rate']:.0%})    "
+            f"{s['tokens_per_decode_step']:.2f} tokens per decode step"
+        )
     if s.get("auto_plan") is not None:
         lines.append(
             f"auto plan      {s['auto_plan']}; captured {s['auto_capture_s']:.1f} s at jobs' "

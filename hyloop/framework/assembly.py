@@ -22,6 +22,7 @@ from hyloop.framework.engine import Engine
 from hyloop.framework.kv_pools import kv_pools
 from hyloop.framework.pipeline import StepPipeline
 from hyloop.framework.scheduler import Scheduler
+from hyloop.framework.speculative import speculator_for
 from hyloop.framework.stats import DeviceClock, StepRecorder
 from hyloop.framework.step_kinds import StepKind
 from hyloop.framework.token_step import TokenStep
@@ -182,7 +183,10 @@ def build_engine(
     if tokenizer is not None:
         tokenizer.eos_ids = tokenizer.eos_ids or list(loaded.eos_token_ids)
         tokenizer.name_or_path = cfg.model.tokenizer or cfg.model.path or loaded.source
-    scheduler = Scheduler(cache, cfg.scheduler, max_running, fence, tokenizer, kind.features)
+    speculator = speculator_for(cfg, contract, kv.swa is not None)
+    scheduler = Scheduler(
+        cache, cfg.scheduler, max_running, fence, tokenizer, kind.features, speculator
+    )
     recorder = StepRecorder(DeviceClock(device), graphs.capture_seconds)
     pipeline = StepPipeline(kind, graphs, scheduler, fence, recorder)
     derived = Derived(

@@ -227,6 +227,28 @@ class LookaheadSection(_Section):
     min_batch: int = Field(8, ge=1, description="smallest decode batch that uses lookahead")
 
 
+class SpeculativeSection(_Section):
+    """Speculative decoding with exact outputs (``framework.speculative``): each row drafts
+    tokens by matching its trailing n-gram in its own prompt and output, and a verify step
+    keeps a draft exactly when the row's own counter-based sample at that position equals it."""
+
+    method: Literal["ngram"] | None = Field(
+        None, description="ngram (prompt lookup); null: no speculation"
+    )
+    num_speculative_tokens: int = Field(4, ge=1, le=15, description="most drafts per row a step")
+    prompt_lookup_max: int = Field(4, ge=1, description="longest trailing n-gram matched")
+    prompt_lookup_min: int = Field(2, ge=1, description="shortest trailing n-gram matched")
+
+    @model_validator(mode="after")
+    def _check_lookup(self) -> SpeculativeSection:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min={self.prompt_lookup_min} must not exceed "
+                f"prompt_lookup_max={self.prompt_lookup_max}"
+            )
+        return self
+
+
 class EngineConfig(_Section):
     model: ModelSection = ModelSection()
     kv_pool: KVPoolSection = KVPoolSection()
@@ -236,6 +258,7 @@ class EngineConfig(_Section):
     scheduler: SchedulerSection = SchedulerSection()
     sampling_defaults: SamplingDefaultsSection = SamplingDefaultsSection()
     lookahead: LookaheadSection = LookaheadSection()
+    speculative: SpeculativeSection = SpeculativeSection()
     device: str = Field("cpu", description="cpu | cuda | cuda:N")
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="dtype weights are stored and computed in"

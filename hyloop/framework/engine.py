@@ -62,6 +62,8 @@ class Engine:
         self.pipeline = pipeline
         self.scheduler: Scheduler = pipeline.scheduler
         self.recorder = recorder
+        if self.scheduler.speculator is not None:  # drafting pauses while it does not pay
+            recorder.on_decode = self.scheduler.speculator.timed
         self.vocab_size = derived.vocab_size
         self.max_context = derived.max_context
         self.eos_ids: frozenset[int] = frozenset(derived.eos_token_ids)
@@ -289,4 +291,6 @@ class Engine:
         d["cache_evictable_tokens"] = cache.tree.evictable_size()
         d.update(requests_finished=self.finished, requests_aborted=self.aborted)
         d.update(requests_failed=self.failed, lookahead=self.lookahead_enabled)
+        if sched.speculator is not None:
+            d.update(sched.speculator.stats(d["decode_steps"], d["decode_tokens"]))
         return {**d, "weight_bytes": self.derived.weight_bytes, "numerics": self.derived.numerics}

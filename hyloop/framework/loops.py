@@ -125,7 +125,7 @@ class OverlapLoop:
             batch = pipe.schedule()
             if batch is None:
                 return []
-            if not batch.is_decode or len(batch.chunks) < self.min_batch:
+            if not batch.is_decode or batch.verify or len(batch.chunks) < self.min_batch:
                 return run_blocking(pipe, rec, batch, t0)
             first = pipe.prepare(batch)
             if first is None:  # each of its requests failed while it was prepared

@@ -44,11 +44,14 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock times (``time.time()``) of a request's life."""
+    """Wall-clock times (``time.time()``) of a request's life, and what speculative decoding
+    drafted for it and kept (``speculative``)."""
 
     arrival_time: float
     first_token_time: float | None = None
     finished_time: float | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -110,6 +110,9 @@ class StepPipeline:
             return None
         if self.device.type == "cuda" and self.kind.host_fed(sched.running):
             return None  # a CUDA graph cannot wait for rows the host still writes: drain
+        spec = sched.speculator
+        if spec is not None and not spec.skips(sched.running):
+            return None  # drafts follow the newest token: drain, then a verify step
         rows: list[int] = []
         chunks: list[Chunk] = []
         for i, c in enumerate(after.chunks):
@@ -182,15 +185,19 @@ class StepPipeline:
         self.fence.retire(step.gen)
         del self._unresolved[step.gen]
         assert step.output is not None and ids is not None
+        batch, spec = step.batch, self.scheduler.speculator
+        if batch.verify and spec is not None:  # what each row's verified positions kept
+            spec.accept(batch.chunks, step.output.accepted)
         try:  # first the features' rows a step launched ahead may be waiting for
-            for i, c in enumerate(step.batch.chunks):
+            for i, c in enumerate(batch.chunks):
                 try:
-                    self.kind.advance(step.batch, i, ids[i])
+                    for tok in ids[i][: c.taken] if batch.verify else (ids[i],):
+                        self.kind.advance(batch, i, tok)
                 except Exception as e:
                     self.scheduler.fail(c.req, e)
         finally:
             self.kind.settle()
-        return self.scheduler.resolve(step.batch, step.output, ids, rows)
+        return self.scheduler.resolve(batch, step.output, ids, rows)
 
     # -- checks ---------------------------------------------------------------------------------
     def unresolved(self) -> list[InflightStep]:

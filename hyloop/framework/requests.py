@@ -17,7 +17,9 @@ from hyloop.framework.detokenizer import IncrementalText, output_text
 from hyloop.framework.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from hyloop.framework.prompts import cache_salt, split_prompt
 from hyloop.framework.sampling_params import RequestOutputKind, SamplingParams
+from hyloop.framework.step_logprobs import sampled_entry
 from hyloop.graphs.ops import row_keys
+from hyloop.graphs.step_batch import StepOutput
 
 # Batch and Chunk live in ``batches``; importers find them here too.
 __all__ = ["Batch", "Chunk", "Request", "Status", "new_request", "request_output"]
@@ -73,6 +75,7 @@ class Request:
     # Multi-channel models: prompt rows [L, C]; prompt_ids / output_ids then hold row keys.
     prompt_rows: torch.Tensor | None = None
     output_rows: list[list[int]] | None = None
+    draft: Any = None  # speculative decoding's state of it (``speculative.DraftState``)
 
     def next_prefill_span(self) -> tuple[int, int]:
         """``(start, stop)``: the next prompt positions to compute, from ``num_computed`` past
@@ -85,6 +88,19 @@ class Request:
                 stop = s
                 break
         return start, stop
+
+    def append(self, tok: int, out: StepOutput, at: int | tuple[int, int], row: Any) -> None:
+        """``tok`` (sampled at ``at`` of ``out``: a row, or a verify step's (row, position))
+        joins the output, with its row, logprobs and (debug) logits."""
+        if not self.output_ids:
+            self.first_token_time = time.time()
+        self.output_ids.append(tok)
+        if self.output_rows is not None and row is not None:
+            self.output_rows.append(row)
+        if self.logprobs is not None:
+            self.logprobs.append(sampled_entry(out, at, tok, self.params.logprobs or 0))
+        if self.logits is not None and out.logits is not None:
+            self.logits.append(out.logits[at].clone())
 
     @property
     def prefill_remaining(self) -> int:
@@ -142,7 +158,11 @@ def request_output(req: Request, tokenizer: Any) -> RequestOutput:
         finished=finished,
         prompt_logprobs=prompt_lps,
         metrics=RequestMetrics(
-            req.arrival_time, req.first_token_time, time.time() if finished else None
+            req.arrival_time,
+            req.first_token_time,
+            time.time() if finished else None,
+            req.draft.drafted if req.draft is not None else 0,
+            req.draft.accepted if req.draft is not None else 0,
         ),
         num_cached_tokens=req.num_cached,
         num_reused_tokens=req.num_reused,

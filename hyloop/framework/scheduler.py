@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
@@ -29,12 +28,13 @@ from hyloop.framework.faults import bare_output, describe, drop_chunk, is_engine
 from hyloop.framework.outputs import RequestOutput
 from hyloop.framework.requests import Batch, Chunk, Request, Status, request_output
 from hyloop.framework.sampling_params import RequestOutputKind
-from hyloop.framework.step_logprobs import prompt_entries, sampled_entry
+from hyloop.framework.step_logprobs import prompt_entries
 from hyloop.graphs.step_batch import StepOutput
 from hyloop.pools import LedgerError, StepFence
 
 if TYPE_CHECKING:
     from hyloop.features.base import Feature
+    from hyloop.framework.speculative import Speculator
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +52,10 @@ class Scheduler:
         fence: StepFence,
         tokenizer: Any,
         features: list[Feature],
+        speculator: Speculator | None = None,
     ) -> None:
         self.cache = cache
+        self.speculator = speculator  # drafts for decode steps (``speculative``), or None
         self.features = features  # the step kind's (``stop_hit`` of those a request uses)
         self.fence = fence
         self.tokenizer = tokenizer
@@ -159,8 +161,10 @@ class Scheduler:
             budget -= length if policy is None else policy.cost(spans, start, length)
         if chunks:
             return Batch(chunks, is_decode=False)
-        if self.running:
-            return Batch([Chunk(r, r.total_len - 1, 1) for r in self.running], is_decode=True)
+        if self.running:  # a decode step, with the speculator's drafts (then it verifies)
+            chunks = [Chunk(r, r.total_len - 1, 1) for r in self.running]
+            verify = self.speculator is not None and self.speculator.draft(chunks, self.features)
+            return Batch(chunks, is_decode=True, verify=verify)
         if self.waiting:  # add_request refuses what can never fit: a broken promise
             raise LedgerError(
                 f"request {self.waiting[0].request_id!r} cannot be admitted into an idle engine "
@@ -222,34 +226,30 @@ class Scheduler:
         running output when it streams."""
         chunk = batch.chunks[i]
         req = chunk.req
-        req.num_computed = chunk.start + chunk.length
+        tokens = [ids[i]] if not batch.verify else ids[i][: chunk.taken]  # type: ignore[index]
+        req.num_computed = chunk.start + (chunk.length if not batch.verify else 1)
         if req.prompt_logprobs is not None and not batch.is_decode:
             req.prompt_logprobs += prompt_entries(out, i, chunk, req.params.prompt_logprobs)
         if not batch.is_decode and not chunk.completes_prompt:
             return None
-        tok = ids[i]
-        if not req.output_ids:
-            req.first_token_time = time.time()
-        req.output_ids.append(tok)
-        if req.output_rows is not None and rows is not None:
-            req.output_rows.append(rows[i])
-        if req.logprobs is not None:
-            req.logprobs.append(sampled_entry(out, i, tok, req.params.logprobs or 0))
-        if req.logits is not None and out.logits is not None:
-            req.logits.append(out.logits[i].clone())
+        req.num_sampled += len(tokens) - 1  # the verify step's tokens past its first
         reason: str | None = None
-        if len(req.output_ids) >= req.max_new:  # vLLM checks the length first
-            reason = "length"
-        elif tok in req.stop_ids:
-            req.stop_reason, reason = (tok if tok in req.stop_reasons else None), "stop"
-        # then the features' stops (stop strings): past a length stop, never past a stop token
-        for f in self.features if req.features and reason != "stop" else ():
-            if f.name in req.features and (hit := f.stop_hit(req, self.tokenizer)) is not None:
-                req.stop_reason, reason = hit, "stop"
-                break
-        if reason is not None:
-            self.finish(req, reason)
-        elif req.params.output_kind is not RequestOutputKind.FINAL_ONLY:
+        for j, tok in enumerate(tokens):
+            req.num_computed += j > 0  # the accepted draft's KV (a verify step's)
+            req.append(tok, out, (i, j) if batch.verify else i, rows[i] if rows else None)
+            if len(req.output_ids) >= req.max_new:  # vLLM checks the length first
+                reason = "length"
+            elif tok in req.stop_ids:
+                req.stop_reason, reason = (tok if tok in req.stop_reasons else None), "stop"
+            # then the features' stops (stop strings): past a length stop, never a stop token
+            for f in self.features if req.features and reason != "stop" else ():
+                if f.name in req.features and (hit := f.stop_hit(req, self.tokenizer)) is not None:
+                    req.stop_reason, reason = hit, "stop"
+                    break
+            if reason is not None:
+                self.finish(req, reason)
+                return None
+        if req.params.output_kind is not RequestOutputKind.FINAL_ONLY:
             return self.output(req)
         return None
 

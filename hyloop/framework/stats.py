@@ -171,6 +171,7 @@ class StepRecorder:
         self.stats = StepStats()
         self._cap = capture_seconds
         self._capture_seen = 0.0
+        self.on_decode: Callable[[Batch, float], None] | None = None  # a decode step's wall
 
     now = staticmethod(time.perf_counter)
 
@@ -198,9 +199,11 @@ class StepRecorder:
         s.step_exec_time += exec_time
         if batch.is_decode:
             s.decode_steps += 1
-            s.decode_tokens += len(batch.chunks)
+            s.decode_tokens += sum(c.taken for c in batch.chunks)  # a verify step: several
             s.decode_time += wall
             s.decode_host_exposed_time += exposed
+            if self.on_decode is not None:
+                self.on_decode(batch, wall)
         else:
             s.prefill_steps += 1
             s.prefill_tokens_computed += sum(c.length for c in batch.chunks)

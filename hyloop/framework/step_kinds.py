@@ -162,6 +162,8 @@ class StepKind:
             self.bind(c)
         top_cap, nlp, bits = self.mode((c.req for c in chunks), batch.is_decode)
         static = dict(top_cap=top_cap, num_logprobs=nlp, keep_logits=keep_logits, features=bits)
+        if batch.verify:
+            return self._prefill(chunks, verify=True, **static)
         if batch.is_decode:
             return self._decode(chunks, batch.planned, **static)
         return self._prefill(chunks, **static)
@@ -250,15 +252,19 @@ class StepKind:
         ids = (req.prompt_ids + req.output_ids)[start : start + length]
         return torch.tensor(ids, dtype=torch.int64)
 
-    def _prefill(self, chunks: list[Chunk], **static: Any) -> StepBatch:
-        """Chunks of ``[B, T]`` rows, padded to the longest chunk."""
+    def _prefill(self, chunks: list[Chunk], verify: bool = False, **static: Any) -> StepBatch:
+        """Chunks of ``[B, T]`` rows, padded to the longest chunk (a verify step's: a decode
+        row and its drafts, every position sampled)."""
         b, t = len(chunks), max(c.length for c in chunks)
         ids = torch.zeros(b, t, *self.row_shape, dtype=torch.int64)
         pos = torch.zeros(b, t, dtype=torch.int64)
         loc = torch.zeros(b, t, dtype=torch.int64)
         limit = self.max_context - 1
         for i, c in enumerate(chunks):
-            ids[i, : c.length] = self.prefill_inputs(c.req, c.start, c.length)
+            n = c.length - len(c.drafts)  # a verify chunk's drafts follow its known tokens
+            ids[i, :n] = self.prefill_inputs(c.req, c.start, n)
+            if c.drafts:
+                ids[i, n : c.length] = torch.tensor(c.drafts, dtype=torch.int64)
             pos[i] = torch.arange(c.start, c.start + t).clamp_max(limit)
             loc[i, : c.length] = _lease(c).slots[c.start : c.start + c.length]
         per_row = torch.tensor(
@@ -269,7 +275,7 @@ class StepKind:
                 [_lease(c).state_slot for c in chunks],
                 [c.track_slot for c in chunks],
                 _out_pos(chunks),
-                [int(c.completes_prompt) for c in chunks],
+                [int(c.completes_prompt or verify) for c in chunks],
             ],
             dtype=torch.int64,
         )
@@ -304,6 +310,7 @@ class StepKind:
             prompt_rows=tuple(wants),
             prompt_targets=targets,
             blend=blend,
+            verify=verify,
             **static,
         )
 

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+from hyloop.framework.batches import Chunk
 from hyloop.framework.outputs import Logprob
-from hyloop.framework.requests import Chunk
 from hyloop.graphs.step_batch import StepOutput
 
 
-def sampled_entry(out: StepOutput, i: int, tok: int, k: int) -> dict[int, Logprob]:
-    """The sampled token's ``Logprob`` (its rank among all tokens) and the top ``k``."""
+def sampled_entry(
+    out: StepOutput, i: int | tuple[int, int], tok: int, k: int
+) -> dict[int, Logprob]:
+    """The sampled token's ``Logprob`` (its rank among all tokens) and the top ``k``; ``i``:
+    its row, or (row, position) of a verify step."""
     assert out.chosen_lp is not None and out.chosen_rank is not None
     entry = {tok: Logprob(float(out.chosen_lp[i]), int(out.chosen_rank[i]))}
     if k > 0:
         assert out.top_lp is not None and out.top_ids is not None
-        top = zip(out.top_lp[i, :k].tolist(), out.top_ids[i, :k].tolist(), strict=True)
+        top = zip(out.top_lp[i][:k].tolist(), out.top_ids[i][:k].tolist(), strict=True)
         for rank, (lp, tid) in enumerate(top, 1):
             entry.setdefault(int(tid), Logprob(float(lp), rank))
     return entry

@@ -9,6 +9,8 @@ are the raw model's. The step's own sampled ids then update what each feature ke
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from hyloop.framework.step_kinds import StepKind, TokenSampling, forward_all, last_rows
@@ -24,7 +26,24 @@ class TokenStep(StepKind):
     def step(self, batch: StepBatch) -> StepOutput:
         """One forward + sample. Shapes are fixed by ``batch``: capture-safe."""
         hidden = forward_all(self.model, batch)
+        if batch.verify:
+            return self._verify(hidden, batch)
         logits = self.model.compute_logits(last_rows(hidden, batch))
+        next_ids = self._sample(logits, batch)
+        out = StepOutput(next_ids, logits)
+        if batch.num_logprobs > 0:
+            out.chosen_lp, out.chosen_rank, out.top_lp, out.top_ids = token_logprobs(
+                logits, next_ids, batch.num_logprobs
+            )
+        if batch.prompt_rows:  # eager prefill: every position's next prompt token
+            out.prompt_lp, out.prompt_rank, out.prompt_top_lp, out.prompt_top_ids = (
+                self._prompt_logprobs(hidden, batch)
+            )
+        return out
+
+    def _sample(self, logits: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """Each row's token from its logits: the features the step applies, then the sampler;
+        then the features take the kept samples."""
         s, rows = batch.pools.requests, batch.req_rows
         assert isinstance(s, TokenSampling)
         applied = [f for f in self.features if batch.features & f.bit]
@@ -45,15 +64,32 @@ class TokenStep(StepKind):
         )
         for f in applied:
             f.after_sample(s, batch, next_ids)
-        out = StepOutput(next_ids, logits)
+        return next_ids
+
+    def _verify(self, hidden: torch.Tensor, batch: StepBatch) -> StepOutput:
+        """A verify step: position ``j`` of a row is sampled as the plain decode step at its
+        output position would sample it, its features having counted the tokens before it
+        (``after_sample`` with the positions kept so far); a row keeps positions while each
+        sample equals the draft that follows it (``speculative``)."""
+        b, t = hidden.shape[:2]
+        logits = self.model.compute_logits(hidden.reshape(b * t, -1)).view(b, t, -1)
+        drafts = batch.input_ids[:, 1:]
+        keep = batch.extend_lens > 0
+        ids, kept = [], []
+        for j in range(t):
+            keep = keep & (batch.extend_lens > j)
+            at = dataclasses.replace(batch, out_pos=batch.out_pos + j, keeps=keep.long(), meta={})
+            tok = self._sample(logits[:, j], at)
+            ids.append(tok)
+            kept.append(keep)
+            if j + 1 < t:
+                keep = keep & (tok == drafts[:, j])
+        next_ids = torch.stack(ids, 1)
+        out = StepOutput(next_ids, logits, accepted=torch.stack(kept, 1).sum(1))
         if batch.num_logprobs > 0:
-            out.chosen_lp, out.chosen_rank, out.top_lp, out.top_ids = token_logprobs(
-                logits, next_ids, batch.num_logprobs
-            )
-        if batch.prompt_rows:  # eager prefill: every position's next prompt token
-            out.prompt_lp, out.prompt_rank, out.prompt_top_lp, out.prompt_top_ids = (
-                self._prompt_logprobs(hidden, batch)
-            )
+            parts = token_logprobs(logits.view(b * t, -1), next_ids.view(-1), batch.num_logprobs)
+            lp, rank, top_lp, top_ids = (p.view(b, t, *p.shape[1:]) for p in parts)
+            out.chosen_lp, out.chosen_rank, out.top_lp, out.top_ids = lp, rank, top_lp, top_ids
         return out
 
     def _prompt_logprobs(self, hidden: torch.Tensor, batch: StepBatch) -> tuple[torch.Tensor, ...]:

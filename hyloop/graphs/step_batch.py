@@ -104,6 +104,9 @@ class StepBatch:
     pools: StepPools
     kv_len: int  # static: table columns attention reads (>= max(prefix + extend))
     is_decode: bool = False  # static: one new token per row (the decode path of every layer)
+    # static: a verify step (``framework.speculative``): row b's positions after the first are
+    # its drafts, each position is sampled, and the output counts the tokens each row keeps
+    verify: bool = False
     top_cap: int = 0  # static: sampler candidates (``sampler.candidate_cap``)
     num_logprobs: int = 0  # static: top logprobs returned per row
     keep_logits: bool = False  # static: the output keeps the logits
@@ -185,6 +188,9 @@ class StepOutput:
     chosen_lp: torch.Tensor | None = None  # [B] logprob of the sampled token
     next_rows: torch.Tensor | None = None  # [B, C] multi-channel models
     chosen_rank: torch.Tensor | None = None  # [B] 1 + tokens more likely than the sampled one
+    # a verify step: ``next_ids`` and the logprobs are per position ``[B, T]``, and each row
+    # keeps its first ``accepted [B]`` tokens (its accepted drafts and the sample after them)
+    accepted: torch.Tensor | None = None
     # prompt logprobs: the next prompt token's ``[B, T]`` logprob and rank, and the top ones
     prompt_lp: torch.Tensor | None = None
     prompt_rank: torch.Tensor | None = None

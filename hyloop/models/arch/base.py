@@ -42,10 +42,12 @@ class DecoderLM(nn.Module):
         if batch.blend is not None:  # a prefill over reused KV (``contract.selective_recompute``)
             return blend_forward(self.model, batch)
         x = self.model.embed_tokens(batch.input_ids)
-        # A decode step: every layer in one call where the compute path has a decoder stack
-        # (``models.cpu.DecoderStack``). Prefill chunks never (one-token ones included): a
-        # prompt's tokens always run the layers, so how a prefill is chunked changes no row.
-        stack = getattr(batch.pools.compute, "stack", None) if batch.is_decode else None
+        # A decode or verify step: every layer in one call where the compute path has a
+        # decoder stack (``models.cpu.DecoderStack``). Prefill chunks never (one-token ones
+        # included): a prompt's tokens always run the layers, so how a prefill is chunked
+        # changes no row.
+        decode = batch.is_decode or batch.verify
+        stack = getattr(batch.pools.compute, "stack", None) if decode else None
         if stack is not None and stack.runs(x.shape[0]):
             return stack(x, batch)
         for layer in self.model.layers:

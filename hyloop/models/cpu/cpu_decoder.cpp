@@ -257,7 +257,33 @@ struct StepInputs {
   const float* cos = nullptr;      // [B, rot]
   const float* sin = nullptr;
   int64_t ctx = 0, rot = 0;
+  // Rows of one request may read each other's new K/V (a verify step's positions): every K/V
+  // is written, behind a barrier, before any row attends.
+  bool shared = false;
 };
+
+// Row b's key for kv head h (its norm and RoPE) and value, written at loc[b]: a shared step's
+// first attention pass. The same arithmetic as `attend`'s.
+template <typename T>
+void write_kv(const Spec& sp, const Layer& l, const StepInputs& in, int64_t layer, int64_t b,
+              int64_t h, const float* qkv_row) {
+  const int64_t D = sp.head_dim;
+  const bool bf = sp.bf16;
+  thread_local std::vector<float> kv;
+  kv.resize(2 * D);
+  float* k = kv.data();
+  float* v = k + D;
+  std::memcpy(k, qkv_row + sp.heads * D + h * D, D * sizeof(float));
+  std::memcpy(v, qkv_row + (sp.heads + sp.kv_heads) * D + h * D, D * sizeof(float));
+  round_all(k, D, bf);
+  round_all(v, D, bf);
+  if (l.k_norm.defined()) rms_norm(k, l.k_norm.const_data_ptr<float>(), D, sp.eps, bf, k);
+  rope(k, in.cos + b * in.rot, in.sin + b * in.rot, in.rot, bf);
+  T* kb = in.k_bufs[layer].mutable_data_ptr<T>();
+  T* vb = in.v_bufs[layer].mutable_data_ptr<T>();
+  store_row(k, D, kb + in.loc[b] * in.k_bufs[layer].stride(0) + h * D);
+  store_row(v, D, vb + in.loc[b] * in.v_bufs[layer].stride(0) + h * D);
+}
 
 // Task (b, h, g0): query heads [g0, g0 + n) of kv head h for row b, with that head's k / v:
 // norms, RoPE, the K/V write at loc[b] (by the task holding the group's first head), then
@@ -281,15 +307,27 @@ void attend(const Spec& sp, const Layer& l, const StepInputs& in, int64_t layer,
   round_all(v, D, bf);
   const float* cos = in.cos + b * in.rot;
   const float* sin = in.sin + b * in.rot;
+  T* kb = in.k_bufs[layer].mutable_data_ptr<T>();
+  T* vb = in.v_bufs[layer].mutable_data_ptr<T>();
+  const int64_t k_row = in.k_bufs[layer].stride(0), v_row = in.v_bufs[layer].stride(0);
+  if (in.shared) {  // the K/V are in the pool (`write_kv`): the queries alone, then attention
+    for (int64_t g = 0; g < n; ++g) {
+      if (l.q_norm.defined()) rms_norm(q + g * D, l.q_norm.const_data_ptr<float>(), D, sp.eps, bf,
+                                       q + g * D);
+      rope(q + g * D, cos, sin, in.rot, bf);
+    }
+    hyloop::attend::group(q, n, D, static_cast<const T*>(kb), k_row, static_cast<const T*>(vb),
+                          v_row, h, in.slots + b * L, in.bias + b * L, L,
+                          static_cast<float>(sp.scale), v + D, out_row);
+    round_all(out_row, n * D, bf);
+    return;
+  }
   for (int64_t g = 0; g <= n; ++g) {  // n query heads, then the key
     float* head = g < n ? q + g * D : k;
     const at::Tensor& norm = g < n ? l.q_norm : l.k_norm;
     if (norm.defined()) rms_norm(head, norm.const_data_ptr<float>(), D, sp.eps, bf, head);
     rope(head, cos, sin, in.rot, bf);
   }
-  T* kb = in.k_bufs[layer].mutable_data_ptr<T>();
-  T* vb = in.v_bufs[layer].mutable_data_ptr<T>();
-  const int64_t k_row = in.k_bufs[layer].stride(0), v_row = in.v_bufs[layer].stride(0);
   thread_local std::vector<T> own;  // this task's new K / V in the pool's dtype
   own.resize(2 * D);
   store_row(k, D, own.data());
@@ -448,6 +486,14 @@ void run_layers(Stack& s, const StepInputs& in, int64_t B, int rank, hyloop::Tea
     // GEMM's rows. Contiguous runs of tasks per rank: a row's kv heads read neighbouring parts
     // of the same pool rows, one after another. A kv head's group is split into `per`-head
     // tasks when there are too few groups to share out evenly (a batch of one row).
+    if (in.shared) {  // every K/V of the step first: a row reads its request's earlier rows'
+      const auto [w0, w1] = share(B * sp.kv_heads, rank, T_);
+      for (int64_t t = w0; t < w1; ++t) {
+        write_kv<T>(sp, l, in, static_cast<int64_t>(li), t / sp.kv_heads, t % sp.kv_heads,
+                    ws.qkv.data() + (t / sp.kv_heads) * nqkv);
+      }
+      sync(kAttn, l.o, 2);
+    }
     const bool few = B * sp.kv_heads < std::max(4, 2 * T_);
     const int64_t per = few ? heads_per_task(sp, ws.attn_rows) : G;
     const int64_t tasks_per_row = sp.heads / per;
@@ -504,7 +550,8 @@ void run_layers(Stack& s, const StepInputs& in, int64_t B, int rank, hyloop::Tea
 
 at::Tensor decode_layers(const at::Tensor& x, int64_t handle, at::TensorList k_bufs,
                          at::TensorList v_bufs, const at::Tensor& loc, const at::Tensor& slots,
-                         const at::Tensor& bias, const at::Tensor& cos, const at::Tensor& sin) {
+                         const at::Tensor& bias, const at::Tensor& cos, const at::Tensor& sin,
+                         bool shared) {
   const auto s = find(handle);
   const Spec& sp = s->spec;
   const int64_t H = sp.hidden, D = sp.head_dim;
@@ -561,6 +608,7 @@ at::Tensor decode_layers(const at::Tensor& x, int64_t handle, at::TensorList k_b
   in.sin = snc.const_data_ptr<float>();
   in.ctx = slots.size(1);
   in.rot = cos.size(1);
+  in.shared = shared;
 
   std::lock_guard<std::mutex> guard(s->use);
   const int threads = hyloop::team_size();
@@ -619,7 +667,7 @@ TORCH_LIBRARY_FRAGMENT(hyloop, m) {
   m.def("stack_phase_times(int handle, bool enable) -> Tensor", &stack_phase_times);
   m.def(
       "decode_layers(Tensor x, int handle, Tensor(a!)[] k_bufs, Tensor(b!)[] v_bufs, Tensor loc, "
-      "Tensor slots, Tensor bias, Tensor cos, Tensor sin) -> Tensor");
+      "Tensor slots, Tensor bias, Tensor cos, Tensor sin, bool shared=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hyloop, CPU, m) { m.impl("decode_layers", &decode_layers); }

@@ -141,25 +141,36 @@ class DecoderStack:
         return True
 
     def __call__(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-        """The layers' output ``[B, 1, H]`` for embedded tokens ``x [B, 1, H]`` (one per row)."""
-        b = x.shape[0]
+        """The layers' output ``[B, T, H]`` for embedded tokens ``x [B, T, H]``: one per row
+        (a decode step), or a verify step's ``T`` positions per row, each a row of the stack
+        that sees its request's positions before it (written first: ``shared``)."""
+        b, t = x.shape[:2]
+        n = b * t
         pool = batch.pools.kv
         meta = attention_meta(batch)
-        positions = batch.positions.view(b)
+        positions = batch.positions.reshape(n)
         cos = self.rotary.cos[positions].float()  # (the tables follow the model's dtype)
         sin = self.rotary.sin[positions].float()
+        length = meta.slots.numel() // b
+        if t == 1:
+            slots, bias = meta.slots.view(b, -1), meta.mask.view(b, -1)
+        else:  # each position a row over its request's columns, those up to it visible
+            slots = meta.slots.view(b, 1, length).expand(b, t, length).reshape(n, length)
+            zero = torch.zeros((), dtype=torch.float32, device=x.device)
+            bias = torch.where(meta.mask.view(n, length), zero, float("-inf"))
         out = torch.ops.hyloop.decode_layers(
-            x.reshape(b, self.hidden),
+            x.reshape(n, self.hidden),
             self.handle,
             [pool.k[i] for i in self.pool_layers],
             [pool.v[i] for i in self.pool_layers],
-            meta.loc.reshape(b),
-            meta.slots.view(b, -1),
-            meta.mask.view(b, -1),
+            meta.loc.reshape(n),
+            slots,
+            bias,
             cos,
             sin,
+            t > 1,
         )
-        return out.view(b, 1, self.hidden)
+        return out.view(b, t, self.hidden)
 
     def phase_times(self, enable: bool = True) -> dict[str, float]:
         """Seconds per phase of the steps since the last call, as the calling thread (rank 0)

@@ -1,0 +1,182 @@
+"""Speculative decoding is exact: with n-gram drafts verified in one forward, every request
+gives the tokens, logprobs and logits (bit for bit) it gives without speculation, greedy and
+seeded sampled alike, with every generation control on, alone and batched, eager and under
+lookahead, on a tiny dense checkpoint and on the SmolLM2 GGUF; the ledger holds after every
+step; models whose state a verify step cannot roll back are refused."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import TINY_DENSE, build_hf_checkpoint
+
+from hyloop import LLM, SamplingParams
+from hyloop.sampling_params import StructuredOutputsParams
+
+pytestmark = pytest.mark.slow
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+# Prompts that repeat themselves, so the drafts find matches (a random model repeats too).
+PATTERN = [11, 23, 5, 17, 42, 8, 31]
+PROMPTS = [PATTERN * 4, [7, 9, 7, 9, 7, 9, 13, 14, 15, 7, 9, 7], list(range(20, 60)) + PATTERN * 2]
+EAGER = ["graphs.backend=eager", "model.max_context=256", "kv_pool.num_pages=1024"]
+
+
+def controls(i: int, vocab: int) -> dict[str, Any]:
+    """Request ``i``'s sampling: greedy or seeded sampled, each with generation controls on."""
+    picks: list[dict[str, Any]] = [
+        {"temperature": 0.0},
+        {"temperature": 0.9, "seed": 5 + i, "top_k": 20, "top_p": 0.9},
+        {"temperature": 0.0, "repetition_penalty": 1.3, "frequency_penalty": 0.4},
+        {"temperature": 0.7, "seed": 3, "presence_penalty": 0.5, "min_p": 0.05},
+        {"temperature": 0.0, "min_tokens": 6, "stop_token_ids": [PATTERN[3]]},
+        {"temperature": 0.8, "seed": 11, "logit_bias": {PATTERN[2]: 3.0, 2: -5.0}},
+    ]
+    return picks[i % len(picks)]
+
+
+def run(llm: LLM, prompts: list[list[int]], kinds: list[int], max_tokens: int = 24) -> list[Any]:
+    engine = llm.engine
+    engine.capture_logits = True
+    vocab = engine.vocab_size
+    for i, (p, k) in enumerate(zip(prompts, kinds, strict=True)):
+        params = SamplingParams(max_tokens=max_tokens, logprobs=2, **controls(k, vocab))
+        engine.add_request(f"r{i}", p, params)
+    done: dict[str, Any] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        engine.check_invariants()
+    engine.capture_logits = False
+    outs = []
+    for i in range(len(prompts)):
+        o = done[f"r{i}"].outputs[0]
+        lps = [e[t].logprob for e, t in zip(o.logprobs, o.token_ids, strict=True)]
+        outs.append((list(o.token_ids), lps, o.finish_reason))
+    return outs
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_hf_checkpoint(tmp_path_factory.mktemp("spec") / "llama", TINY_DENSE["llama"])
+
+
+@pytest.fixture(scope="module")
+def engines(ckpt: Path) -> Iterator[dict[str, LLM]]:
+    llms = {
+        "off": LLM(model=ckpt, overrides=EAGER),
+        "on": LLM(model=ckpt, overrides=EAGER, speculative_config=SPEC),
+        "lookahead": LLM(
+            model=ckpt,
+            overrides=[*EAGER, "lookahead.enable=true", "lookahead.min_batch=1"],
+            speculative_config=SPEC,
+        ),
+    }
+    yield llms
+    for llm in llms.values():
+        llm.close()
+
+
+@pytest.mark.parametrize("loop", ["on", "lookahead"])
+def test_speculation_gives_the_tokens_of_decoding_without_it(
+    engines: dict[str, LLM], loop: str
+) -> None:
+    kinds = list(range(6))
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in kinds]
+    batched_off = run(engines["off"], prompts, kinds)
+    before = engines[loop].stats()
+    batched_on = run(engines[loop], prompts, kinds)
+    after = engines[loop].stats()
+    assert batched_on == batched_off
+    for i, k in enumerate(kinds):  # alone: the same as in the batch
+        assert run(engines[loop], [prompts[i]], [k]) == [batched_off[i]]
+    drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
+    accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    assert drafted > 0 and accepted > 0, (drafted, accepted)  # the verify path ran and kept
+
+
+def test_verified_positions_have_the_plain_steps_logits_bit_for_bit(
+    engines: dict[str, LLM],
+) -> None:
+    """Every logit a verify step computes for a kept position equals the plain decode step's."""
+    captured = {}
+    kept = engines["on"].stats()["spec_accepted_tokens"]
+    for name in ("off", "on"):
+        engine = engines[name].engine
+        engine.capture_logits = True
+        engine.add_request("bits", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=20))
+        req = engine.request("bits")
+        assert req is not None
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.capture_logits = False
+        captured[name] = torch.stack(req.logits or [])
+    assert captured["on"].shape == captured["off"].shape == (20, engines["on"].engine.vocab_size)
+    assert torch.equal(captured["on"], captured["off"])
+    assert engines["on"].stats()["spec_accepted_tokens"] > kept  # verified positions were kept
+
+
+def test_a_hybrid_model_is_refused_with_the_reason(hybrid_ckpts: dict[str, Path]) -> None:
+    with pytest.raises(ValueError, match="recurrent state"):
+        LLM(model=hybrid_ckpts["qwen3_5"], overrides=EAGER, speculative_config=SPEC)
+
+
+def test_another_method_is_refused() -> None:
+    from hyloop.api.engine_args import EngineArgs
+    from hyloop.framework.sampling_params import NotSupportedError
+
+    with pytest.raises(NotSupportedError, match="eagle"):
+        EngineArgs("x", speculative_config={"method": "eagle", "model": "m"}).to_overrides()
+
+
+@pytest.fixture(scope="module")
+def smol(gguf_path: Path) -> Iterator[dict[str, LLM]]:
+    ov = ["graphs.backend=eager", "model.max_context=512"]
+    llms = {"off": LLM(model=gguf_path, overrides=ov)}
+    llms["on"] = LLM(model=gguf_path, overrides=ov, speculative_config=SPEC)
+    yield llms
+    for llm in llms.values():
+        llm.close()
+
+
+def test_smollm2_gguf_with_every_control_and_a_structured_output(smol: dict[str, LLM]) -> None:
+    text = "The list: apples, pears, plums. Again the list: apples, pears, plums. Again:"
+    schema = {
+        "type": "object",
+        "properties": {"fruit": {"type": "array", "items": {"type": "string"}}},
+        "required": ["fruit"],
+    }
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, logprobs=1),
+        SamplingParams(temperature=0.8, seed=4, max_tokens=40, top_p=0.95, logprobs=1),
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=40,
+            repetition_penalty=1.1,
+            bad_words=[" pears"],
+            min_tokens=5,
+            stop=[" plums."],
+        ),
+        SamplingParams(
+            temperature=0.7,
+            seed=9,
+            max_tokens=40,
+            structured_outputs=StructuredOutputsParams(json=schema),
+        ),
+    ]
+    got = {}
+    for name, llm in smol.items():
+        outs = llm.generate([text] * len(params), params, use_tqdm=False)
+        got[name] = [
+            (list(o.outputs[0].token_ids), o.outputs[0].text, o.outputs[0].finish_reason)
+            for o in outs
+        ]
+        if name == "on":
+            assert sum(o.metrics.num_draft_tokens for o in outs) > 0
+            assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
+    assert got["on"] == got["off"]
