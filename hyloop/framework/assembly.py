@@ -249,6 +249,11 @@ def build_graphs(
     )
     channels = contract.rows.channels if contract.rows is not None else None
     buffer = CaptureBuffer.init(buckets[-1], kind.captured_pools, kv_buckets[-1], channels)
+    spec = cfg.speculative
+    verify = None  # verify steps' buffer: a row and its drafts (``framework.speculative``)
+    if spec.method is not None and channels is None:
+        k1 = spec.num_speculative_tokens + 1
+        verify = CaptureBuffer.init(buckets[-1], kind.captured_pools, kv_buckets[-1], None, k1)
     cpu_options = {**cpu_ops.compile_options(), **kind.cpu_compile_options}
     options = {**(cpu_options if device.type == "cpu" else {}), **g.compile_options}
     runner = BucketRunner(
@@ -262,6 +267,7 @@ def build_graphs(
         compile_options=options,
         name=f"decode-{type(kind.model).__name__}-{id(kind):x}",
         lazy=g.backend != "auto",
+        verify_buffer=verify,
     )
     defaults = Estimates.defaults(
         device=device.type,

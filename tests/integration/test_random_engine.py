@@ -194,6 +194,22 @@ def test_random_traffic_equals_each_request_alone(
     llm.close()
 
 
+SPECULATIVE = ("speculative.method=ngram", "speculative.prompt_lookup_min=1")
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("config", ["cache-off", "cache-on-lookahead", "reuse-lookahead"])
+def test_random_traffic_with_speculation_equals_each_request_alone(
+    families: dict[str, Family], reference: Reference, page_size: int, config: str
+) -> None:
+    """Speculative decoding on (n-gram drafts, verify steps), against each request alone
+    without it: the same tokens, the ledger whole after every step."""
+    llm, _ = run_case(families, reference, "dense", page_size, config, 0, extra=SPECULATIVE)
+    stats = llm.stats()
+    llm.close()
+    assert stats["spec_verify_steps"] > 0 and stats["spec_draft_tokens"] > 0
+
+
 def test_reset_prefix_cache_refuses_while_requests_run(tiny_ckpts: dict[str, Path]) -> None:
     from hyloop import SamplingParams
 

@@ -180,3 +180,57 @@ def test_smollm2_gguf_with_every_control_and_a_structured_output(smol: dict[str,
             assert sum(o.metrics.num_draft_tokens for o in outs) > 0
             assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
     assert got["on"] == got["off"]
+
+
+def test_compiled_verify_steps_equal_eager_with_no_recompile(ckpt: Path) -> None:
+    """``graphs.backend=compile``: verify steps replay their own artifacts (a tokens bucket per
+    draft count), the same tokens as decoding without speculation, nothing recompiled."""
+    ov = [
+        "graphs.backend=compile",
+        "graphs.buckets=[4]",
+        "model.max_context=256",
+        "kv_pool.num_pages=1024",
+    ]
+    spec = {**SPEC, "num_speculative_tokens": 2}
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    with LLM(model=ckpt, overrides=EAGER) as plain:
+        want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    with LLM(model=ckpt, overrides=ov, speculative_config=spec) as llm:
+        for _ in range(2):
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in outs] == want
+        stats = llm.stats()
+        captured = llm.engine.graphs.runner.stats()["captured"]
+    assert stats["recompiles"] == 0 and stats["spec_accepted_tokens"] > 0
+    verified = {k[-1] for k in captured if len(k) == 6}  # the verify artifacts that ran
+    assert verified and verified <= {2, 3}
+
+
+def test_a_verify_step_with_every_control_is_capture_safe(engines: dict[str, LLM]) -> None:
+    import dataclasses
+
+    from hyloop.framework.batches import Batch, Chunk
+    from hyloop.graphs.safety import check_capture_safe
+
+    eng = engines["on"].engine
+    kinds = list(range(6))
+    for i in kinds:
+        params = SamplingParams(max_tokens=20, **controls(i, eng.vocab_size))
+        eng.add_request(f"safe-{i}", PROMPTS[i % len(PROMPTS)], params)
+    running = eng.scheduler.running
+    while len(running) < len(kinds) or not all(r.prefill_done and r.output_ids for r in running):
+        eng.step()
+    chunks = [Chunk(r, r.total_len - 1, 1) for r in running]
+    for c in chunks[::2]:  # every other row drafts two tokens (any: only the shapes matter)
+        c.drafts = [PATTERN[0], PATTERN[1]]
+        c.length = 3
+    batch = eng.kind.build(Batch(chunks, is_decode=True, verify=True))
+    assert batch.verify and batch.penalized and batch.controlled
+    inputs = dataclasses.replace(batch, pools=eng.kind.captured_pools)
+    with torch.inference_mode():
+        out = check_capture_safe(eng.kind.step, inputs)
+    assert out.next_ids.shape == (len(kinds), 3) and out.accepted is not None
+    eng.abort_request([f"safe-{i}" for i in kinds])
+    while eng.has_unfinished_requests():
+        eng.step()

@@ -21,7 +21,6 @@ and splitting invisible. A runner is driven by one thread at a time; separate ru
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -30,7 +29,12 @@ from typing import Any, Literal, Protocol
 import torch
 
 from hyloop.graphs.capture.backends import CapturedStep, CompiledStep, CudaGraphStep
-from hyloop.graphs.capture.buckets import ArtifactKey, normalize_buckets, pick_bucket
+from hyloop.graphs.capture.buckets import (
+    ArtifactKey,
+    normalize_buckets,
+    pick_bucket,
+    verify_buckets,
+)
 from hyloop.graphs.step_batch import (
     CaptureBuffer,
     StepBatch,
@@ -78,6 +82,7 @@ class BucketRunner:
         compile_options: dict[str, Any] | None = None,
         name: str = "step",
         lazy: bool = True,
+        verify_buffer: CaptureBuffer | None = None,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"BucketRunner backend: {backend!r}, expected one of {BACKENDS}")
@@ -88,6 +93,10 @@ class BucketRunner:
             raise ValueError(f"BucketRunner backend 'cuda_graph': device {self.device}, not cuda")
         self.kind = kind
         self.buffer = buffer
+        # verify steps' buffer (speculative decoding), and their positions-per-row buckets
+        self.verify_buffer = verify_buffer
+        k1 = verify_buffer.full.input_ids.shape[1] if verify_buffer is not None else 1
+        self.verify_tokens = tuple(verify_buckets(k1 - 1)) if k1 > 1 else ()
         self.backend = backend
         self.buckets = normalize_buckets("BucketRunner buckets", buckets)
         self.kv_len_buckets = normalize_buckets("BucketRunner kv_len_buckets", kv_len_buckets)
@@ -153,7 +162,11 @@ class BucketRunner:
             return artifact
         start = time.perf_counter()
         log.info("%s: capturing %s with %s", self.name, key.label(), self.backend)
-        view = self.buffer.view(key.batch, key.kv_len, key.top_cap, key.num_logprobs, key.features)
+        buffer = self.buffer if key.tokens == 1 else self.verify_buffer
+        assert buffer is not None, f"{key.label()}: this runner has no verify buffer"
+        view = buffer.view(
+            key.batch, key.kv_len, key.top_cap, key.num_logprobs, key.features, key.tokens
+        )
         # NOTE: warm-up and capture run on all-padding rows, which write only the padding sinks.
         CaptureBuffer.fill_padding(view)
         with torch.inference_mode():
@@ -217,7 +230,8 @@ class BucketRunner:
         return out
 
     def _run(self, batch: StepBatch, staged: Callable[[], None]) -> StepOutput:
-        if self.backend == "eager" or not batch.is_decode:
+        captures = batch.is_decode or (batch.verify and self.verify_tokens)
+        if self.backend == "eager" or not captures:
             self._eager_steps += self.backend == "eager"
             return self._eager(batch, staged)
         kv_bucket = self.kv_bucket(batch.kv_len)
@@ -252,7 +266,11 @@ class BucketRunner:
         n = batch.batch_size
         bucket = pick_bucket(self.buckets, n)
         assert bucket is not None
-        key = ArtifactKey(bucket, kv_bucket, *batch.mode)
+        tokens = (
+            1 if not batch.verify else pick_bucket(self.verify_tokens, batch.input_ids.shape[1])
+        )
+        assert tokens is not None, "a verify step has at most num_speculative_tokens + 1 positions"
+        key = ArtifactKey(bucket, kv_bucket, *batch.mode, tokens)
         if not self.lazy and key not in self._artifacts:
             self._counts["uncaptured_steps"] += 1
             return self._eager(batch, staged)
@@ -287,6 +305,6 @@ class BucketRunner:
             **self._counts,
             "eager_steps": self._eager_steps,
             "recompiles": self.recompiles,
-            "captured": [dataclasses.astuple(k) for k in sorted(self._artifacts)],
+            "captured": [k.fields() for k in sorted(self._artifacts)],
             "capture_s": round(self._capture_s, 3),
         }

@@ -9,12 +9,20 @@ a short context does not attend over the whole ``max_context``.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hyloop.graphs.step_batch import feature_names
 
-__all__ = ["ArtifactKey", "kv_len_buckets", "normalize_buckets", "pick_bucket", "usable_buckets"]
+__all__ = [
+    "ArtifactKey",
+    "kv_len_buckets",
+    "normalize_buckets",
+    "pick_bucket",
+    "usable_buckets",
+    "verify_buckets",
+]
 
 
 @dataclass(frozen=True, order=True)
@@ -26,11 +34,28 @@ class ArtifactKey:
     top_cap: int = 0  # sampler candidates (0: unfiltered; ``sampler.candidate_cap``)
     num_logprobs: int = 0  # top logprobs returned per row
     features: int = 0  # the bits of the features applied (``step_batch.feature_bit``)
+    tokens: int = 1  # positions per row: 1 (a decode step) or a verify step's (a bucket)
 
     def label(self) -> str:
         mode = f", top_cap={self.top_cap}, num_logprobs={self.num_logprobs}"
         mode += f", {'+'.join(feature_names(self.features))}" if self.features else ""
+        mode += f", verify tokens={self.tokens}" if self.tokens > 1 else ""
         return f"bucket(batch={self.batch}, kv_len={self.kv_len}{mode})"
+
+    def fields(self) -> tuple[int, ...]:
+        """The key as a tuple (a decode step's without its ``tokens``)."""
+        t = dataclasses.astuple(self)
+        return t if self.tokens > 1 else t[:-1]
+
+
+def verify_buckets(k: int) -> list[int]:
+    """Positions per row of a verify step's artifacts for up to ``k`` drafts: 2, 3, 5, 9...
+    (one draft, two, four...) up to ``k + 1``, always ``k + 1``."""
+    sizes, t = [], 2
+    while t < k + 1:
+        sizes.append(t)
+        t = 2 * t - 1
+    return [*sizes, k + 1]
 
 
 def normalize_buckets(name: str, buckets: Sequence[int]) -> tuple[int, ...]:

@@ -136,6 +136,13 @@ class Graphs:
         have = {(b, kv) for b, kv in counts if runner.has_artifact(ArtifactKey(b, kv, *mode))}
         plan = choose(counts, self.estimates(), have=have)
         keys = [ArtifactKey(b, kv, *mode) for b, kv in plan.captured if (b, kv) not in have]
+        # a captured decode bucket's verify steps too (speculative decoding), every tokens bucket
+        keys += [
+            key
+            for b, kv in plan.captured
+            for t in runner.verify_tokens
+            if not runner.has_artifact(key := ArtifactKey(b, kv, *mode, t))
+        ]
         t0 = time.perf_counter()
         runner.capture_keys(keys)
         self.auto_capture_s += time.perf_counter() - t0
