@@ -42,7 +42,7 @@ CODE = (BENCH / "common.py").read_text()
 def rag(i: int) -> list[dict[str, str]]:
     doc = TEXT[(i * 700) % 6000 :][:1400]
     ask = "Read the document and answer the question, quoting the document."
-    question = "Question: What does the document say? Quote it."
+    question = "Question: What is the document about? Answer with a long quote from it."
     return [{"role": "user", "content": f"{ask}\n\nDocument:\n{doc}\n\n{question}"}]
 
 

@@ -68,7 +68,7 @@ def _speculative(value: dict[str, Any] | str) -> list[str]:
             f"speculative_config method={method!r}: hyloop speculates with ngram (prompt lookup)"
         )
     out = ["speculative.method=ngram"]
-    for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+    for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "adaptive"):
         if spec.get(name) is not None:
             out.append(f"speculative.{name}={spec.pop(name)}")
         spec.pop(name, None)

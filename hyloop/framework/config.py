@@ -238,6 +238,11 @@ class SpeculativeSection(_Section):
     num_speculative_tokens: int = Field(4, ge=1, le=15, description="most drafts per row a step")
     prompt_lookup_max: int = Field(4, ge=1, description="longest trailing n-gram matched")
     prompt_lookup_min: int = Field(2, ge=1, description="shortest trailing n-gram matched")
+    adaptive: bool = Field(
+        True,
+        description="draft only what a measured cost model says pays (else every match, up to "
+        "num_speculative_tokens)",
+    )
 
     @model_validator(mode="after")
     def _check_lookup(self) -> SpeculativeSection:

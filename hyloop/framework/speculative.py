@@ -11,8 +11,13 @@ seeded sampled requests alike.
 ``NgramDrafter`` proposes a request's drafts from its own history: the tokens that followed
 the latest earlier occurrence of its trailing n-gram (longest first, ``prompt_lookup_max`` down
 to ``prompt_lookup_min``), from an index updated as tokens arrive. ``Speculator`` is the
-engine's policy: drafting adapts per request (a request whose drafts fail backs off for a
-doubling number of steps and drafts as many tokens as it last accepted plus one), and drafts
+engine's policy, a cost model measured as it runs: a verify step of ``D`` drafts per row costs
+``D`` more positions for every row of the batch (its rows are padded to the longest), each
+worth ``r`` tokens of a plain step (``r``: the measured cost of a position over the measured
+time per token of a plain step of that batch size); row ``i``'s ``j``-th draft is kept with
+probability ``a_i ** j`` (``a_i``: its recent acceptance). Each step takes the ``D`` whose
+expected tokens gained, less ``r * B * D``, is largest, none when no ``D`` gains: drafts that
+rarely match, or a step whose cost grows too fast with its rows, leave the plain step. Drafts
 stay within the request's output budget, so the KV a verify step writes lies in pages the
 request reserved at admission; what it writes for rejected positions is overwritten by the
 next step and never committed (commits read ``num_computed``, which counts accepted tokens).
@@ -32,8 +37,11 @@ if TYPE_CHECKING:
     from hyloop.framework.requests import Request
     from hyloop.models.contract import ModelContract
 
-MAX_BACKOFF = 32  # most steps a request whose drafts keep failing waits before drafting again
-MAX_PAUSE = 512  # most steps drafting pauses while verify steps pay less than plain ones
+PRIOR_RATIO = 0.3  # a position's cost in plain-step tokens until this batch size is measured
+PRIOR = (1.2, 2.0)  # a new request's (kept, verified) drafts: acceptance 0.6 until measured
+DECAY = 0.8  # what a request's earlier verify steps weigh against its latest
+QUIET = 4  # steps a lookahead loop plans without drafts once drafting did not pay
+REMEASURE = 16  # verify steps between two plain ones of a batch size (contexts grow)
 
 
 class NgramDrafter:
@@ -66,90 +74,108 @@ class NgramDrafter:
 
 @dataclass
 class DraftState:
-    """What the policy keeps of one request."""
+    """What the policy keeps of one request: its drafter and its recent acceptance."""
 
     drafter: NgramDrafter
-    length: int  # drafts it proposes next (adapts to what it accepted)
-    wait: int = 0  # steps left before it drafts again
-    misses: int = 0  # verify steps in a row that accepted none of its drafts
+    kept: float = PRIOR[0]  # decayed count of drafts kept
+    verified: float = PRIOR[1]  # decayed count of drafts verified (up to the first miss)
     drafted: int = 0  # draft tokens it proposed, in total
     accepted: int = 0  # of them, those kept
 
+    @property
+    def rate(self) -> float:
+        """The chance its next draft is kept, given the ones before it were."""
+        return self.kept / self.verified
+
 
 class Speculator:
-    """The engine's drafting policy and its counters (``stats``)."""
+    """The engine's drafting policy, its cost model and its counters (``stats``)."""
 
     def __init__(self, section: SpeculativeSection) -> None:
         self.k = section.num_speculative_tokens
+        self.adaptive = section.adaptive
         self.lo, self.hi = section.prompt_lookup_min, section.prompt_lookup_max
         self.drafted = 0
         self.accepted = 0
         self.verify_steps = 0
-        # decode tokens a second of plain and of verify steps (moving averages), and the steps
-        # left that run without drafts because verify steps made fewer
-        self.rate = {False: 0.0, True: 0.0}
-        self.pause = 0
-        self.losses = 0
-
-    def timed(self, batch: Batch, seconds: float) -> None:
-        """A decode step's wall time: while verify steps give fewer tokens a second than plain
-        ones (drafts that rarely match, a step whose cost grows with its rows), drafting pauses
-        for a doubling number of steps, then tries again."""
-        if seconds <= 0:
-            return
-        rate = sum(c.taken for c in batch.chunks) / seconds
-        old = self.rate[batch.verify]
-        self.rate[batch.verify] = rate if old == 0 else (old + rate) / 2
-        if batch.verify and self.rate[False] > 0:
-            if self.rate[True] < self.rate[False]:
-                self.losses += 1
-                self.pause = min(MAX_PAUSE, 4 << self.losses)
-            else:
-                self.losses = 0
+        # by batch size: seconds of a plain step, and of one more position per row
+        self.plain: dict[int, float] = {}
+        self.position: dict[int, float] = {}
+        self.since_plain: dict[int, int] = {}  # verify steps since a plain one, by batch size
+        self.quiet = 0  # planned steps left without drafts (lookahead)
 
     def state(self, req: Request) -> DraftState:
         if req.draft is None:
-            req.draft = DraftState(NgramDrafter(self.lo, self.hi), self.k)
+            req.draft = DraftState(NgramDrafter(self.lo, self.hi))
         state: DraftState = req.draft
         return state
 
+    def ratio(self, rows: int) -> float:
+        """What one more position per row costs, in tokens of a plain step of ``rows`` rows."""
+        plain, position = self.plain.get(rows), self.position.get(rows)
+        if plain is None or position is None:
+            return PRIOR_RATIO
+        return position / (plain / rows)
+
+    def timed(self, batch: Batch, seconds: float) -> None:
+        """A decode step's wall time, into the cost model (moving averages per batch size)."""
+        rows = len(batch.chunks)
+        if not batch.verify:
+            self.plain[rows] = _average(self.plain.get(rows), seconds)
+            self.since_plain[rows] = 0
+            return
+        self.since_plain[rows] = self.since_plain.get(rows, 0) + 1
+        plain = self.plain.get(rows)
+        extra = max(len(c.drafts) for c in batch.chunks)
+        if plain is not None and extra:
+            cost = max(0.0, seconds - plain) / (rows * extra)
+            self.position[rows] = _average(self.position.get(rows), cost)
+
     def skips(self, reqs: list[Request]) -> bool:
-        """Whether every request of ``reqs`` backs off at the next step, which then runs
-        without drafts (planned under lookahead: each one's wait counts the step)."""
-        if self.pause > 0:
-            self.pause -= 1
-            return True
-        if not all(r.draft is not None and r.draft.wait > 0 for r in reqs):
+        """Whether a lookahead loop may plan the next step without drafts (drafting did not
+        pay at a recent step); each planned step counts."""
+        if self.quiet <= 0:
             return False
-        for r in reqs:
-            r.draft.wait -= 1
+        self.quiet -= 1
         return True
 
     def propose(self, req: Request) -> list[int]:
         """``req``'s drafts for its next step: within its output budget (the drafts and the
-        token after them), [] while it backs off or its history has no earlier match."""
-        room = req.max_new - len(req.output_ids) - 1
-        state = self.state(req)
-        if state.wait > 0:
-            state.wait -= 1
-            return []
+        token after them), [] when its history has no earlier match."""
+        room = min(self.k, req.max_new - len(req.output_ids) - 1)
         if room <= 0:
             return []
-        return state.drafter.propose(req.prompt_ids + req.output_ids, min(state.length, room))
+        return self.state(req).drafter.propose(req.prompt_ids + req.output_ids, room)
 
     def draft(self, chunks: list[Chunk], features: list[Feature]) -> bool:
-        """Each decode chunk takes its request's drafts (none where a feature the request uses
-        is fed by the host: its next mask needs the token before); whether any did."""
-        if self.pause > 0:
-            self.pause -= 1
+        """Each decode chunk takes its request's drafts, as many per row as the cost model says
+        pay (none where a feature the request uses is fed by the host: its next mask needs the
+        token before); whether the step verifies. A batch size whose plain step is not
+        measured, or not lately (``REMEASURE`` verify steps), runs one plain step first."""
+        adaptive = self.adaptive
+        if adaptive and self.since_plain.get(len(chunks), REMEASURE) >= REMEASURE:
             return False
-        for c in chunks:
-            if not any(f.host_fed and f.name in c.req.features for f in features):
-                c.drafts = self.propose(c.req)
-                c.length = 1 + len(c.drafts)
-        verify = any(c.drafts for c in chunks)
-        self.verify_steps += verify
-        return verify
+        proposals = [
+            []
+            if any(f.host_fed and f.name in c.req.features for f in features)
+            else self.propose(c.req)
+            for c in chunks
+        ]
+        rates = [self.state(c.req).rate for c in chunks]
+        cost = self.ratio(len(chunks)) * len(chunks)
+        best, best_gain, gain = 0, 0.0, 0.0
+        for d in range(1, max(map(len, proposals), default=0) + 1):
+            gain += sum(a**d for a, p in zip(rates, proposals, strict=True) if len(p) >= d)
+            if gain - cost * d > best_gain or not adaptive:
+                best, best_gain = d, gain - cost * d
+        if best == 0:
+            self.quiet = QUIET
+            return False
+        for c, p in zip(chunks, proposals, strict=True):
+            c.drafts = p[:best]
+            c.length = 1 + len(c.drafts)
+        self.verify_steps += 1
+        return True
 
     def accept(self, chunks: list[Chunk], taken: torch.Tensor | None) -> None:
         """A resolved verify step: each chunk takes its row's count of kept tokens (its
@@ -160,7 +186,8 @@ class Speculator:
             self.record(c.req, len(c.drafts), n - 1)
 
     def record(self, req: Request, drafted: int, accepted: int) -> None:
-        """A verify step kept ``accepted`` of ``req``'s ``drafted`` drafts."""
+        """A verify step kept ``accepted`` of ``req``'s ``drafted`` drafts: each kept one, and
+        the first rejected one, is a trial of its acceptance."""
         if not drafted:
             return
         state = self.state(req)
@@ -168,13 +195,8 @@ class Speculator:
         state.accepted += accepted
         self.drafted += drafted
         self.accepted += accepted
-        if accepted:
-            state.misses = 0
-            state.length = min(self.k, accepted + 1)
-        else:
-            state.misses += 1
-            state.length = 1
-            state.wait = min(MAX_BACKOFF, 1 << (state.misses - 1))
+        state.kept = DECAY * state.kept + accepted
+        state.verified = DECAY * state.verified + accepted + (accepted < drafted)
 
     def stats(self, decode_steps: int, decode_tokens: int) -> dict[str, Any]:
         return {
@@ -184,6 +206,10 @@ class Speculator:
             "spec_acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
             "tokens_per_decode_step": decode_tokens / decode_steps if decode_steps else 0.0,
         }
+
+
+def _average(old: float | None, new: float) -> float:
+    return new if old is None else 0.7 * old + 0.3 * new
 
 
 def speculator_for(cfg: EngineConfig, contract: ModelContract, swa_pool: bool) -> Speculator | None:

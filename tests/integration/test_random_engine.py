@@ -194,7 +194,11 @@ def test_random_traffic_equals_each_request_alone(
     llm.close()
 
 
-SPECULATIVE = ("speculative.method=ngram", "speculative.prompt_lookup_min=1")
+SPECULATIVE = (
+    "speculative.method=ngram",
+    "speculative.prompt_lookup_min=1",
+    "speculative.adaptive=false",
+)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

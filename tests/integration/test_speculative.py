@@ -19,7 +19,8 @@ from hyloop.sampling_params import StructuredOutputsParams
 
 pytestmark = pytest.mark.slow
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+# every match drafted (``adaptive`` off): the verify path runs whatever the cost model says
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "adaptive": False}
 # Prompts that repeat themselves, so the drafts find matches (a random model repeats too).
 PATTERN = [11, 23, 5, 17, 42, 8, 31]
 PROMPTS = [PATTERN * 4, [7, 9, 7, 9, 7, 9, 13, 14, 15, 7, 9, 7], list(range(20, 60)) + PATTERN * 2]
@@ -139,6 +140,8 @@ def smol(gguf_path: Path) -> Iterator[dict[str, LLM]]:
     ov = ["graphs.backend=eager", "model.max_context=512"]
     llms = {"off": LLM(model=gguf_path, overrides=ov)}
     llms["on"] = LLM(model=gguf_path, overrides=ov, speculative_config=SPEC)
+    # the default policy: drafts where the measured cost model says they pay
+    llms["adaptive"] = LLM(model=gguf_path, overrides=ov, speculative_config={"method": "ngram"})
     yield llms
     for llm in llms.values():
         llm.close()
@@ -179,7 +182,7 @@ def test_smollm2_gguf_with_every_control_and_a_structured_output(smol: dict[str,
         if name == "on":
             assert sum(o.metrics.num_draft_tokens for o in outs) > 0
             assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
-    assert got["on"] == got["off"]
+    assert got["on"] == got["off"] == got["adaptive"]
 
 
 def test_compiled_verify_steps_equal_eager_with_no_recompile(ckpt: Path) -> None:

@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 
 from hyloop.api.engine_args import EngineArgs
+from hyloop.framework.batches import Batch, Chunk
 from hyloop.framework.config import ConfigError, load_config
 from hyloop.framework.sampling_params import NotSupportedError
-from hyloop.framework.speculative import MAX_BACKOFF, NgramDrafter, Speculator
+from hyloop.framework.speculative import QUIET, REMEASURE, NgramDrafter, Speculator
 
 
 def test_drafts_follow_the_latest_earlier_match_of_the_longest_ngram() -> None:
@@ -39,26 +40,57 @@ def request(prompt: list[int], out: list[int], max_new: int) -> Any:
     return SimpleNamespace(prompt_ids=prompt, output_ids=out, max_new=max_new, draft=None)
 
 
-def test_drafts_stay_in_the_budget_and_failing_rows_back_off() -> None:
-    section = load_config(None, ["speculative.method=ngram"]).speculative
-    spec = Speculator(section)
+def speculator(k: int = 4) -> Speculator:
+    section = load_config(
+        None, ["speculative.method=ngram", f"speculative.num_speculative_tokens={k}"]
+    )
+    return Speculator(section.speculative)
+
+
+def decode(reqs: list[Any]) -> list[Chunk]:
+    return [Chunk(r, len(r.prompt_ids) + len(r.output_ids) - 1, 1) for r in reqs]
+
+
+def test_drafts_stay_in_the_budget() -> None:
+    spec = speculator()
     req = request([1, 2, 3, 4, 5, 1, 2], [], max_new=3)
     assert spec.propose(req) == [3, 4]  # 3 new tokens at most: 2 drafts and the one after
-    req.max_new = 50
-    waits = []
-    for _ in range(8):  # every draft rejected: the waits double up to MAX_BACKOFF
-        spec.record(req, drafted=2, accepted=0)
-        waits.append(req.draft.wait)
-        req.draft.wait = 0
-    assert waits == [1, 2, 4, 8, 16, 32, 32, 32] and MAX_BACKOFF == 32
-    spec.record(req, drafted=4, accepted=4)
-    assert req.draft.misses == 0 and req.draft.length == section.num_speculative_tokens
-    spec.record(req, drafted=3, accepted=1)
-    assert req.draft.length == 2  # what it accepted, plus one
-    req.draft.wait = 2
-    assert spec.propose(req) == [] and req.draft.wait == 1  # a waiting row skips a step
-    assert spec.skips([req]) and req.draft.wait == 0  # a planned step counts too
-    assert not spec.skips([req])
+    req.max_new = 1
+    assert spec.propose(req) == []
+
+
+def test_a_batch_size_runs_a_measured_plain_step_first_then_drafts_what_pays() -> None:
+    spec = speculator()
+    req = request([1, 2, 3, 4, 5, 6, 1, 2], [], max_new=50)
+    chunks = decode([req])
+    assert not spec.draft(chunks, [])  # batch size 1 not measured: a plain step
+    spec.timed(Batch(chunks, is_decode=True), 0.010)
+    chunks = decode([req])
+    # prior acceptance 0.6 against 0.3 a position: 0.6 - 0.3, 0.96 - 0.6, 1.18 - 0.9: two drafts
+    assert spec.draft(chunks, []) and chunks[0].drafts == [3, 4]
+    spec.timed(Batch(chunks, is_decode=True, verify=True), 0.012)  # 1 ms a position
+    assert spec.ratio(1) == pytest.approx(0.1)
+    spec.record(req, drafted=4, accepted=0)  # a miss: acceptance falls
+    for _ in range(4):
+        spec.record(req, drafted=1, accepted=0)
+    assert req.draft.rate < 0.1
+    chunks = decode([req])
+    assert not spec.draft(chunks, []) and chunks[0].drafts == []  # expected gain below cost
+    assert spec.quiet == QUIET and spec.skips([req]) and spec.quiet == QUIET - 1
+
+
+def test_a_costly_position_keeps_fewer_drafts_and_padding_counts_for_every_row() -> None:
+    spec = speculator()
+    hit = request([1, 2, 3, 4, 5, 6, 1, 2], [], max_new=50)
+    miss = request([9, 8, 7, 6], [], max_new=50)  # no earlier match: no drafts
+    spec.plain[2], spec.position[2], spec.since_plain[2] = 0.010, 0.001, 0
+    # a position costs 0.001 / (0.010 / 2) = 0.2 tokens a row, paid by both rows: 0.4 a draft
+    chunks = decode([hit, miss])
+    assert spec.draft(chunks, [])
+    assert [len(c.drafts) for c in chunks] == [1, 0]  # 0.6 ** 2 = 0.36 < 0.4: one draft
+    assert [c.length for c in chunks] == [2, 1]
+    spec.since_plain[2] = REMEASURE  # contexts grew: a plain step measures again
+    assert not spec.draft(decode([hit, miss]), [])
 
 
 def test_vllm_speculative_config_maps_onto_the_section() -> None:
@@ -83,22 +115,3 @@ def test_vllm_speculative_config_maps_onto_the_section() -> None:
         ).to_overrides()
     with pytest.raises(ConfigError, match="prompt_lookup_min"):
         load_config(None, ["speculative.prompt_lookup_min=5", "speculative.prompt_lookup_max=2"])
-
-
-def test_drafting_pauses_while_verify_steps_pay_less_than_plain_ones() -> None:
-    from hyloop.framework.batches import Batch, Chunk
-
-    spec = Speculator(load_config(None, ["speculative.method=ngram"]).speculative)
-    req = request([1, 2, 3, 1, 2], [], max_new=50)
-    plain = Batch([Chunk(req, 4, 1)], is_decode=True)
-    spec.timed(plain, 0.010)  # 100 tokens a second
-    verify = Batch([Chunk(req, 4, 3)], is_decode=True, verify=True)
-    verify.chunks[0].taken = 1  # one token for a dearer step: 50 a second
-    spec.timed(verify, 0.020)
-    assert spec.pause == 8 and spec.losses == 1
-    assert not spec.draft([Chunk(req, 4, 1)], [])  # paused: no drafts
-    assert spec.pause == 7 and spec.skips([req]) and spec.pause == 6  # a planned step counts
-    spec.pause = 0
-    verify.chunks[0].taken = 3  # three tokens in 20 ms: 150 a second, averaged with 50
-    spec.timed(verify, 0.020)
-    assert spec.losses == 0 and spec.pause == 0
