@@ -14,6 +14,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #include <immintrin.h>
@@ -257,11 +258,134 @@ inline float sum_squares(const float* x, int64_t n) { return dot(x, x, n); }
 // The numerics: a score is the lane sum of q * k, times scale, plus bias; the softmax takes the
 // max, exp(score - max), and their sum from +0 column by column; the output is the sum from +0,
 // column by column, of p * v per element, times 1 / that sum.
+#ifdef HYLOOP_A512
+// ``tree16`` of 16 vectors at once: lane c of the result is tree16(a[c]). The same adds in the
+// same pairs (lanes l and l + 8, then l and l + 4, l and l + 2, 0 and 1), on 16 scores a step.
+inline __m512 tree16x16(const __m512* a) {
+  __m512 l1[8], l2[4], l3[2];
+  for (int m = 0; m < 8; ++m)  // column 2m's lanes i + (i + 8) in lanes 0-7, 2m + 1's in 8-15
+    l1[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0x44),
+                          _mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0xEE));
+  for (int r = 0; r < 4; ++r)  // 128-bit lane k: column 4r + k's i + (i + 4)
+    l2[r] = _mm512_add_ps(_mm512_shuffle_f32x4(l1[2 * r], l1[2 * r + 1], 0x88),
+                          _mm512_shuffle_f32x4(l1[2 * r], l1[2 * r + 1], 0xDD));
+  for (int s = 0; s < 2; ++s)  // lane k: columns 8s + k and 8s + 4 + k, i + (i + 2) each
+    l3[s] = _mm512_add_ps(_mm512_shuffle_ps(l2[2 * s], l2[2 * s + 1], 0x44),
+                          _mm512_shuffle_ps(l2[2 * s], l2[2 * s + 1], 0xEE));
+  // element 4k + m: column k + 4m's 0 + 1; then into column order
+  const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(l3[0], l3[1], 0x88),
+                                 _mm512_shuffle_ps(l3[0], l3[1], 0xDD));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, f);
+}
+
+// ``group`` for head_dim = 16 * NC on AVX-512: the same arithmetic in the same order, 16
+// columns' scores reduced together (``tree16x16``) and each head's output summed in registers.
+template <typename T, int NC>
+void group16(const float* q, int64_t G, const T* kb, int64_t k_row, const T* vb, int64_t v_row,
+             int64_t h, const int64_t* slots, const float* bias, int64_t L, float scale,
+             float* scratch, float* out, int64_t self_slot, const T* k_self, const T* v_self) {
+  constexpr int64_t D = 16 * NC;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  thread_local std::vector<const T*> ks, vs;
+  thread_local std::vector<float> bs;
+  ks.resize(L + 16);
+  vs.resize(L + 16);
+  bs.resize(L + 16);
+  int64_t n = 0;  // the visible columns, packed to the front
+  for (int64_t j = 0; j < L; ++j) {
+    if (bias[j] == ninf) continue;
+    ks[n] = slots[j] == self_slot ? k_self : kb + slots[j] * k_row + h * D;
+    vs[n] = slots[j] == self_slot ? v_self : vb + slots[j] * v_row + h * D;
+    bs[n] = bias[j];
+    ++n;
+  }
+  constexpr int64_t lines = (D * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+  float* scores = scratch;  // [G][n]
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t c0 = 0; c0 < n; c0 += 16) {
+    const int64_t cn = std::min<int64_t>(16, n - c0);
+    for (int64_t c = 0; c < cn; ++c) {  // the next block's K rows, this block's V rows
+      if (c0 + 16 + c < n) {
+        const char* ka = reinterpret_cast<const char*>(ks[c0 + 16 + c]);
+        for (int64_t i = 0; i < lines; ++i) _mm_prefetch(ka + 64 * i, _MM_HINT_T0);
+      }
+      const char* va = reinterpret_cast<const char*>(vs[c0 + c]);
+      for (int64_t i = 0; i < lines; ++i) _mm_prefetch(va + 64 * i, _MM_HINT_T1);
+    }
+    const __mmask16 live = static_cast<__mmask16>(cn == 16 ? 0xFFFF : (1u << cn) - 1);
+    const __m512 bias16 = _mm512_maskz_loadu_ps(live, bs.data() + c0);
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 qv[NC];
+      for (int i = 0; i < NC; ++i) qv[i] = _mm512_loadu_ps(q + g * D + 16 * i);
+      __m512 acc[16];
+      for (int64_t c = 0; c < 16; ++c) {
+        acc[c] = _mm512_setzero_ps();
+        if (c >= cn) continue;
+        const T* k = ks[c0 + c];
+        for (int i = 0; i < NC; ++i)
+          acc[c] = _mm512_add_ps(acc[c], _mm512_mul_ps(qv[i], load16(k + 16 * i)));
+      }
+      const __m512 s = _mm512_add_ps(_mm512_mul_ps(tree16x16(acc), sc), bias16);
+      _mm512_mask_storeu_ps(scores + g * L + c0, live, s);
+    }
+  }
+  // Softmax per head, as ``group``.
+  float* inv = scratch + G * L;
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * L;
+    float mx = ninf;
+    for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sg[j]);
+    for (int64_t j = 0; j < n; ++j) sg[j] -= mx;
+    exp_inplace(sg, n);
+    float total = 0.0f;
+    for (int64_t j = 0; j < n; ++j) total += sg[j];
+    inv[g] = 1.0f / total;
+  }
+  // Weighted values: each head's D sums from +0 in registers, column by column.
+  constexpr int64_t HB = 16 / NC;  // heads a pass holds
+  for (int64_t g0 = 0; g0 < G; g0 += HB) {
+    const int64_t hb = std::min<int64_t>(HB, G - g0);
+    __m512 acc[HB][NC];
+    for (int64_t g = 0; g < HB; ++g)
+      for (int i = 0; i < NC; ++i) acc[g][i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      __m512 v[NC];
+      for (int i = 0; i < NC; ++i) v[i] = load16(vs[j] + 16 * i);
+      for (int64_t g = 0; g < HB; ++g) {
+        if (g >= hb) break;
+        const __m512 pv = _mm512_set1_ps(scores[(g0 + g) * L + j]);
+        for (int i = 0; i < NC; ++i) acc[g][i] = _mm512_add_ps(acc[g][i], _mm512_mul_ps(pv, v[i]));
+      }
+    }
+    for (int64_t g = 0; g < hb; ++g) {
+      const __m512 iv = _mm512_set1_ps(inv[g0 + g]);
+      for (int i = 0; i < NC; ++i)
+        _mm512_storeu_ps(out + (g0 + g) * D + 16 * i, _mm512_mul_ps(acc[g][i], iv));
+    }
+  }
+}
+#endif
+
 template <typename T>
 void group(const float* q, int64_t G, int64_t D, const T* kb, int64_t k_row, const T* vb,
            int64_t v_row, int64_t h, const int64_t* slots, const float* bias, int64_t L,
            float scale, float* scratch, float* out, int64_t self_slot = -1,
            const T* k_self = nullptr, const T* v_self = nullptr) {
+#ifdef HYLOOP_A512
+  if constexpr (kLoads<T>) {
+    if (D == 64) {
+      group16<T, 4>(q, G, kb, k_row, vb, v_row, h, slots, bias, L, scale, scratch, out,
+                    self_slot, k_self, v_self);
+      return;
+    }
+    if (D == 128) {
+      group16<T, 8>(q, G, kb, k_row, vb, v_row, h, slots, bias, L, scale, scratch, out,
+                    self_slot, k_self, v_self);
+      return;
+    }
+  }
+#endif
   const float ninf = -std::numeric_limits<float>::infinity();
   float* scores = scratch;  // [G][n]
   int64_t n = 0;

@@ -257,8 +257,11 @@ struct StepInputs {
   const float* cos = nullptr;      // [B, rot]
   const float* sin = nullptr;
   int64_t ctx = 0, rot = 0;
-  // Rows of one request may read each other's new K/V (a verify step's positions): every K/V
-  // is written, behind a barrier, before any row attends.
+  // Rows come in runs of `group` of one request (a verify step's positions; 1: independent
+  // rows) that may read each other's new K/V: every K/V is written, behind a barrier, before
+  // any row attends, and a rank attends a run's rows one after another for each kv head (its
+  // columns are read from memory once for the run).
+  int64_t group = 1;
   bool shared = false;
 };
 
@@ -498,8 +501,10 @@ void run_layers(Stack& s, const StepInputs& in, int64_t B, int rank, hyloop::Tea
     const int64_t per = few ? heads_per_task(sp, ws.attn_rows) : G;
     const int64_t tasks_per_row = sp.heads / per;
     const auto [t0, t1] = share(B * tasks_per_row, rank, T_);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / tasks_per_row, first = (t % tasks_per_row) * per;
+    const int64_t run = in.group;
+    for (int64_t t = t0; t < t1; ++t) {  // task t: row b = (t's run) * run + j, unit u
+      const int64_t j = t % run, u = (t / run) % tasks_per_row;
+      const int64_t b = t / (run * tasks_per_row) * run + j, first = u * per;
       const int64_t h = first / G, g0 = first % G;
       float* out = ws.act.data() + b * q + first * D;
       attend<T>(sp, l, in, static_cast<int64_t>(li), b, h, g0, per, ws.qkv.data() + b * nqkv,
@@ -551,7 +556,7 @@ void run_layers(Stack& s, const StepInputs& in, int64_t B, int rank, hyloop::Tea
 at::Tensor decode_layers(const at::Tensor& x, int64_t handle, at::TensorList k_bufs,
                          at::TensorList v_bufs, const at::Tensor& loc, const at::Tensor& slots,
                          const at::Tensor& bias, const at::Tensor& cos, const at::Tensor& sin,
-                         bool shared) {
+                         int64_t group) {
   const auto s = find(handle);
   const Spec& sp = s->spec;
   const int64_t H = sp.hidden, D = sp.head_dim;
@@ -608,7 +613,10 @@ at::Tensor decode_layers(const at::Tensor& x, int64_t handle, at::TensorList k_b
   in.sin = snc.const_data_ptr<float>();
   in.ctx = slots.size(1);
   in.rot = cos.size(1);
-  in.shared = shared;
+  TORCH_CHECK(group >= 1 && B % group == 0, "decode_layers: ", B, " rows are not runs of ",
+              group);
+  in.group = group;
+  in.shared = group > 1;
 
   std::lock_guard<std::mutex> guard(s->use);
   const int threads = hyloop::team_size();
@@ -667,7 +675,7 @@ TORCH_LIBRARY_FRAGMENT(hyloop, m) {
   m.def("stack_phase_times(int handle, bool enable) -> Tensor", &stack_phase_times);
   m.def(
       "decode_layers(Tensor x, int handle, Tensor(a!)[] k_bufs, Tensor(b!)[] v_bufs, Tensor loc, "
-      "Tensor slots, Tensor bias, Tensor cos, Tensor sin, bool shared=False) -> Tensor");
+      "Tensor slots, Tensor bias, Tensor cos, Tensor sin, int group=1) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hyloop, CPU, m) { m.impl("decode_layers", &decode_layers); }

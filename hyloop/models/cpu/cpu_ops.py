@@ -21,10 +21,11 @@
   what each takes here (``kernel_choice.bf16_dot``); ``hyloop::set_amx(on)``: integer GEMMs of
   12 rows or more on AMX tiles where the CPU has them (``panels_amx.h``, the same bits);
 - ``hyloop::decode_layers(x [B, H], handle, k_bufs!, v_bufs!, loc [B], slots [B, L],
-  bias [B, L], cos, sin [B, rot], shared=False) -> [B, H]`` (``cpu_decoder.cpp``): every
+  bias [B, L], cos, sin [B, rot], group=1) -> [B, H]`` (``cpu_decoder.cpp``): every
   decoder layer of a dense model for one new token per row, registered once with
   ``stack_create`` / ``stack_add_layer`` (``decoder_stack.DecoderStack``), writing each layer's
-  K/V at ``loc`` (``shared``: rows may read each other's, a verify step's positions);
+  K/V at ``loc`` (``group > 1``: runs of rows of one request that read each other's, a verify
+  step's positions);
   ``stack_phase_times(handle, enable) -> [ranks, 7]`` float64 seconds per phase since the last
   call (``decoder_stack.PHASES``), and whether the steps that follow keep the clocks.
 
@@ -128,7 +129,7 @@ def _decode_layers_fake(
     bias: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    shared: bool = False,
+    group: int = 1,
 ) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 

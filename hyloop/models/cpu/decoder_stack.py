@@ -143,7 +143,7 @@ class DecoderStack:
     def __call__(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """The layers' output ``[B, T, H]`` for embedded tokens ``x [B, T, H]``: one per row
         (a decode step), or a verify step's ``T`` positions per row, each a row of the stack
-        that sees its request's positions before it (written first: ``shared``)."""
+        that sees its request's positions before it (runs of ``T`` rows: ``group``)."""
         b, t = x.shape[:2]
         n = b * t
         pool = batch.pools.kv
@@ -168,7 +168,7 @@ class DecoderStack:
             bias,
             cos,
             sin,
-            t > 1,
+            t,
         )
         return out.view(b, t, self.hidden)
 

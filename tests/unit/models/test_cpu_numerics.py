@@ -84,7 +84,7 @@ def _pool(dtype: torch.dtype, slots: int, hkv: int, d: int, seed: int) -> tuple[
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 64), (9, 3, 64), (2, 1, 40), (3, 3, 16)])
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 64), (9, 3, 64), (2, 1, 40), (3, 3, 16), (8, 1, 128)])
 def test_attention_is_the_kernel(dtype: torch.dtype, hq: int, hkv: int, d: int) -> None:
     g = torch.Generator().manual_seed(hq * 100 + d)
     b, length, slots = 5, 37, 128
