@@ -15,7 +15,8 @@ engine's policy, a cost model measured as it runs: a verify step of ``D`` drafts
 ``D`` more positions for every row of the batch (its rows are padded to the longest), each
 worth ``r`` tokens of a plain step (``r``: the measured cost of a position over the measured
 time per token of a plain step of that batch size); row ``i``'s ``j``-th draft is kept with
-probability ``a_i ** j`` (``a_i``: its recent acceptance). Each step takes the ``D`` whose
+probability ``a_i ** j`` (``a_i``: its recent acceptance, drifting back to a prior while it
+does not draft, so a request whose drafts failed tries again). Each step takes the ``D`` whose
 expected tokens gained, less ``r * B * D``, is largest, none when no ``D`` gains: drafts that
 rarely match, or a step whose cost grows too fast with its rows, leave the plain step. Drafts
 stay within the request's output budget, so the KV a verify step writes lies in pages the
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 PRIOR_RATIO = 0.3  # a position's cost in plain-step tokens until this batch size is measured
 PRIOR = (1.2, 2.0)  # a new request's (kept, verified) drafts: acceptance 0.6 until measured
 DECAY = 0.8  # what a request's earlier verify steps weigh against its latest
+RELAX = 0.9  # a step a request does not draft moves its acceptance this far back to the prior
 QUIET = 4  # steps a lookahead loop plans without drafts once drafting did not pay
 REMEASURE = 16  # verify steps between two plain ones of a batch size (contexts grow)
 
@@ -168,12 +170,16 @@ class Speculator:
             gain += sum(a**d for a, p in zip(rates, proposals, strict=True) if len(p) >= d)
             if gain - cost * d > best_gain or not adaptive:
                 best, best_gain = d, gain - cost * d
-        if best == 0:
-            self.quiet = QUIET
-            return False
         for c, p in zip(chunks, proposals, strict=True):
             c.drafts = p[:best]
             c.length = 1 + len(c.drafts)
+            if p and not c.drafts:  # not tried: its acceptance drifts back to the prior
+                state = self.state(c.req)
+                state.kept = RELAX * state.kept + (1 - RELAX) * PRIOR[0]
+                state.verified = RELAX * state.verified + (1 - RELAX) * PRIOR[1]
+        if best == 0:
+            self.quiet = QUIET
+            return False
         self.verify_steps += 1
         return True
 

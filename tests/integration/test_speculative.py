@@ -237,3 +237,31 @@ def test_a_verify_step_with_every_control_is_capture_safe(engines: dict[str, LLM
     eng.abort_request([f"safe-{i}" for i in kinds])
     while eng.has_unfinished_requests():
         eng.step()
+
+
+def test_smollm2_gguf_verified_logits_are_the_plain_steps_bit_for_bit(smol: dict[str, LLM]) -> None:
+    prompt = "one two three four five six. one two three four five six. one two three"
+    captured = {}
+    for name in ("off", "on"):
+        engine = smol[name].engine
+        before = smol[name].stats().get("spec_accepted_tokens", 0)
+        engine.capture_logits = True
+        engine.add_request("bits", prompt, SamplingParams(temperature=0.0, max_tokens=24))
+        req = engine.request("bits")
+        assert req is not None
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.capture_logits = False
+        captured[name] = torch.stack(req.logits or [])
+        if name == "on":
+            assert smol[name].stats()["spec_accepted_tokens"] > before
+    assert torch.equal(captured["on"], captured["off"])
+
+
+def test_row_models_are_refused_and_the_summary_reports_speculation(
+    row_ckpt: Path, engines: dict[str, LLM]
+) -> None:
+    with pytest.raises(ValueError, match="row \\(TTS\\) model"):
+        LLM(model=row_ckpt, overrides=EAGER, speculative_config=SPEC)
+    summary = engines["on"].summary()
+    assert "speculative    ngram (k 4" in summary and "tokens per decode step" in summary

@@ -73,9 +73,13 @@ def test_a_batch_size_runs_a_measured_plain_step_first_then_drafts_what_pays() -
     spec.record(req, drafted=4, accepted=0)  # a miss: acceptance falls
     for _ in range(4):
         spec.record(req, drafted=1, accepted=0)
-    assert req.draft.rate < 0.1
+    low = req.draft.rate
+    assert low < 0.1
     chunks = decode([req])
     assert not spec.draft(chunks, []) and chunks[0].drafts == []  # expected gain below cost
+    assert low < req.draft.rate < 0.6  # untried, its acceptance drifts back towards the prior
+    tried = [spec.draft(decode([req]), []) for _ in range(40)]
+    assert any(tried)  # it drafts again
     assert spec.quiet == QUIET and spec.skips([req]) and spec.quiet == QUIET - 1
 
 
