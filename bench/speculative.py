@@ -41,9 +41,9 @@ CODE = (BENCH / "common.py").read_text()
 
 def rag(i: int) -> list[dict[str, str]]:
     doc = TEXT[(i * 700) % 6000 :][:1400]
-    ask = "Read the document and answer the question, quoting the document."
-    question = "Question: What is the document about? Answer with a long quote from it."
-    return [{"role": "user", "content": f"{ask}\n\nDocument:\n{doc}\n\n{question}"}]
+    ask = "Question: What does the document say? Answer by quoting the relevant sentences of "
+    ask += "the document verbatim."
+    return [{"role": "user", "content": f"Document:\n{doc}\n\n{ask}"}]
 
 
 def code(i: int) -> list[dict[str, str]]:

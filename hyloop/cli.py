@@ -72,6 +72,11 @@ def _main(argv: list[str] | None) -> int:
     gen.add_argument("--resume", action="store_true", help=RESUME)
     gen.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     gen.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        help='vLLM\'s speculative_config, e.g. {"method": "ngram", "num_speculative_tokens": 4}',
+    )
+    gen.add_argument(
         "--ray",
         type=int,
         metavar="N",
@@ -116,6 +121,13 @@ def _main(argv: list[str] | None) -> int:
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     args.overrides = [*(args.overrides or []), *getattr(args, "dotlist", []), *extra]
+    if args.command == "generate" and args.speculative_config:
+        from hyloop.api.engine_args import speculative_overrides
+
+        try:
+            args.overrides += speculative_overrides(args.speculative_config)
+        except ValueError as e:  # bad JSON, another method: a command-line error
+            parser.error(f"--speculative-config: {e}")
     for item in args.overrides:
         if "=" not in item:  # a file given where an option was meant, most often
             flag = "-i" if args.command == "run-batch" else "--input"

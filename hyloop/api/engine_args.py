@@ -58,7 +58,7 @@ def _generation_overrides(value: dict[str, Any]) -> list[str]:
     return out
 
 
-def _speculative(value: dict[str, Any] | str) -> list[str]:
+def speculative_overrides(value: dict[str, Any] | str) -> list[str]:
     """vLLM's ``speculative_config`` (a dict, or its JSON on the command line): n-gram
     prompt lookup maps to the ``speculative`` section; another method is refused."""
     spec = json.loads(value) if isinstance(value, str) else dict(value)
@@ -95,7 +95,7 @@ _MAPPED: dict[str, tuple[Any, Callable[[Any], list[str]]]] = {
     "generation_config": (str, _key("model.generation_config")),
     "override_generation_config": (json.loads, _generation_overrides),
     "max_logprobs": (int, _key("model.max_logprobs")),
-    "speculative_config": (json.loads, _speculative),
+    "speculative_config": (json.loads, speculative_overrides),
 }
 # vLLM arguments with no effect in hyloop, at their neutral value: another value is logged
 # (``None`` in the set: any value is fine) or, for those in _REFUSED, an error.

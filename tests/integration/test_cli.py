@@ -210,3 +210,17 @@ def test_exit_codes_from_the_command_line(tiny_ckpts: dict[str, Path], tmp_path:
     missing = [*cmd, "--input", str(tmp_path / "nope.jsonl"), *OVERRIDES]
     proc = subprocess.run(missing, capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2 and "nope.jsonl" in proc.stderr
+
+
+def test_generate_with_speculative_config_writes_the_same_rows(
+    tiny_ckpts: dict[str, Path], tmp_path: Path, expected: list[RequestOutput]
+) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", [json.dumps(r) for r in ROWS])
+    dst = tmp_path / "out.jsonl"
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    argv = ["generate", "--model", str(tiny_ckpts["llama"]), "--input", str(src), "--no-progress"]
+    assert main([*argv, "--speculative-config", spec, "--output", str(dst), *OVERRIDES]) == 0
+    for row, rec, want in zip(ROWS, read_records(dst), expected, strict=True):
+        check_ran(row, rec, want)
+    with pytest.raises(SystemExit):
+        main([*argv, "--speculative-config", '{"method": "eagle"}', *OVERRIDES])

@@ -105,21 +105,24 @@ def test_verified_positions_have_the_plain_steps_logits_bit_for_bit(
     engines: dict[str, LLM],
 ) -> None:
     """Every logit a verify step computes for a kept position equals the plain decode step's."""
-    captured = {}
     kept = engines["on"].stats()["spec_accepted_tokens"]
-    for name in ("off", "on"):
-        engine = engines[name].engine
-        engine.capture_logits = True
-        engine.add_request("bits", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=20))
-        req = engine.request("bits")
-        assert req is not None
-        while engine.has_unfinished_requests():
-            engine.step()
-        engine.capture_logits = False
-        captured[name] = torch.stack(req.logits or [])
-    assert captured["on"].shape == captured["off"].shape == (20, engines["on"].engine.vocab_size)
-    assert torch.equal(captured["on"], captured["off"])
+    on, off = (greedy_logits(engines[name], PROMPTS[0], 20) for name in ("on", "off"))
+    assert on.shape == off.shape == (20, engines["on"].engine.vocab_size)
+    assert torch.equal(on, off)
     assert engines["on"].stats()["spec_accepted_tokens"] > kept  # verified positions were kept
+
+
+def greedy_logits(llm: LLM, prompt: Any, n: int) -> torch.Tensor:
+    """The logits of each of ``n`` greedy tokens of ``prompt``, as the engine sampled them."""
+    engine = llm.engine
+    engine.capture_logits = True
+    engine.add_request("bits", prompt, SamplingParams(temperature=0.0, max_tokens=n))
+    req = engine.request("bits")
+    assert req is not None
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.capture_logits = False
+    return torch.stack(req.logits or [])
 
 
 def test_a_hybrid_model_is_refused_with_the_reason(hybrid_ckpts: dict[str, Path]) -> None:
@@ -241,21 +244,10 @@ def test_a_verify_step_with_every_control_is_capture_safe(engines: dict[str, LLM
 
 def test_smollm2_gguf_verified_logits_are_the_plain_steps_bit_for_bit(smol: dict[str, LLM]) -> None:
     prompt = "one two three four five six. one two three four five six. one two three"
-    captured = {}
-    for name in ("off", "on"):
-        engine = smol[name].engine
-        before = smol[name].stats().get("spec_accepted_tokens", 0)
-        engine.capture_logits = True
-        engine.add_request("bits", prompt, SamplingParams(temperature=0.0, max_tokens=24))
-        req = engine.request("bits")
-        assert req is not None
-        while engine.has_unfinished_requests():
-            engine.step()
-        engine.capture_logits = False
-        captured[name] = torch.stack(req.logits or [])
-        if name == "on":
-            assert smol[name].stats()["spec_accepted_tokens"] > before
-    assert torch.equal(captured["on"], captured["off"])
+    before = smol["on"].stats()["spec_accepted_tokens"]
+    on, off = (greedy_logits(smol[name], prompt, 24) for name in ("on", "off"))
+    assert torch.equal(on, off)
+    assert smol["on"].stats()["spec_accepted_tokens"] > before
 
 
 def test_row_models_are_refused_and_the_summary_reports_speculation(

@@ -258,6 +258,21 @@ inline float sum_squares(const float* x, int64_t n) { return dot(x, x, n); }
 // The numerics: a score is the lane sum of q * k, times scale, plus bias; the softmax takes the
 // max, exp(score - max), and their sum from +0 column by column; the output is the sum from +0,
 // column by column, of p * v per element, times 1 / that sum.
+// Softmax of each of G heads' n scores (rows of `stride`) in place, their max taken away, e^
+// of each, summed from +0 column by column: inv[g] = 1 / that sum.
+inline void softmax_heads(float* scores, int64_t G, int64_t stride, int64_t n, float* inv) {
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * stride;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sg[j]);
+    for (int64_t j = 0; j < n; ++j) sg[j] -= mx;
+    exp_inplace(sg, n);
+    float total = 0.0f;
+    for (int64_t j = 0; j < n; ++j) total += sg[j];
+    inv[g] = 1.0f / total;
+  }
+}
+
 #ifdef HYLOOP_A512
 // ``tree16`` of 16 vectors at once: lane c of the result is tree16(a[c]). The same adds in the
 // same pairs (lanes l and l + 8, then l and l + 4, l and l + 2, 0 and 1), on 16 scores a step.
@@ -330,18 +345,8 @@ void group16(const float* q, int64_t G, const T* kb, int64_t k_row, const T* vb,
       _mm512_mask_storeu_ps(scores + g * L + c0, live, s);
     }
   }
-  // Softmax per head, as ``group``.
   float* inv = scratch + G * L;
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = scores + g * L;
-    float mx = ninf;
-    for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sg[j]);
-    for (int64_t j = 0; j < n; ++j) sg[j] -= mx;
-    exp_inplace(sg, n);
-    float total = 0.0f;
-    for (int64_t j = 0; j < n; ++j) total += sg[j];
-    inv[g] = 1.0f / total;
-  }
+  softmax_heads(scores, G, L, n, inv);
   // Weighted values: each head's D sums from +0 in registers, column by column.
   constexpr int64_t HB = 16 / NC;  // heads a pass holds
   for (int64_t g0 = 0; g0 < G; g0 += HB) {
@@ -412,16 +417,7 @@ void group(const float* q, int64_t G, int64_t D, const T* kb, int64_t k_row, con
   }
   // Softmax per head.
   float* inv = scratch + G * L;
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = scores + g * L;
-    float mx = ninf;
-    for (int64_t j = 0; j < n; ++j) mx = std::max(mx, sg[j]);
-    for (int64_t j = 0; j < n; ++j) sg[j] -= mx;
-    exp_inplace(sg, n);
-    float total = 0.0f;
-    for (int64_t j = 0; j < n; ++j) total += sg[j];
-    inv[g] = 1.0f / total;
-  }
+  softmax_heads(scores, G, L, n, inv);
   // Weighted values.
   std::fill(out, out + G * D, 0.0f);
   int64_t col = 0;
