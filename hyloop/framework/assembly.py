@@ -22,7 +22,6 @@ from hyloop.framework.engine import Engine
 from hyloop.framework.kv_pools import kv_pools
 from hyloop.framework.pipeline import StepPipeline
 from hyloop.framework.scheduler import Scheduler
-from hyloop.framework.speculative import speculator_for
 from hyloop.framework.stats import DeviceClock, StepRecorder
 from hyloop.framework.step_kinds import StepKind
 from hyloop.framework.token_step import TokenStep
@@ -36,7 +35,8 @@ from hyloop.graphs.capture import (
     resolve_backend,
     usable_buckets,
 )
-from hyloop.graphs.step_batch import CaptureBuffer, StepPools
+from hyloop.graphs.capture.buffer import CaptureBuffer
+from hyloop.graphs.step_batch import StepPools
 from hyloop.models.contract import ModelContract
 from hyloop.models.cpu import CpuKernels, cpu_ops
 from hyloop.models.cpu.kernel_choice import cache_dir, machine_key
@@ -44,6 +44,7 @@ from hyloop.models.kv_shift import shifter_for
 from hyloop.models.layers.attention import compute_paths
 from hyloop.models.loader import LoadedModel, generation_defaults, load_model, load_tokenizer
 from hyloop.pools import RecurrentPool, ReqToTokenPool, StepFence, SWAWindows
+from hyloop.speculative import speculator_for
 from hyloop.utils.host_memory import trim_heap
 
 log = logging.getLogger(__name__)
@@ -250,7 +251,7 @@ def build_graphs(
     channels = contract.rows.channels if contract.rows is not None else None
     buffer = CaptureBuffer.init(buckets[-1], kind.captured_pools, kv_buckets[-1], channels)
     spec = cfg.speculative
-    verify = None  # verify steps' buffer: a row and its drafts (``framework.speculative``)
+    verify = None  # verify steps' buffer: a row and its drafts (``hyloop.speculative``)
     if spec.method is not None and channels is None:
         k1 = spec.num_speculative_tokens + 1
         verify = CaptureBuffer.init(buckets[-1], kind.captured_pools, kv_buckets[-1], None, k1)

@@ -32,4 +32,4 @@ class Batch:
     chunks: list[Chunk]
     is_decode: bool
     planned: bool = False  # lookahead: its input ids come from the previous step's output
-    verify: bool = False  # a decode step whose chunks carry drafts (``framework.speculative``)
+    verify: bool = False  # a decode step whose chunks carry drafts (``hyloop.speculative``)

@@ -13,13 +13,13 @@ import torch
 
 from hyloop.cache.lease import Lease
 from hyloop.framework.batches import Batch, Chunk
-from hyloop.framework.detokenizer import IncrementalText, output_text
 from hyloop.framework.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from hyloop.framework.prompts import cache_salt, split_prompt
 from hyloop.framework.sampling_params import RequestOutputKind, SamplingParams
 from hyloop.framework.step_logprobs import sampled_entry
 from hyloop.graphs.ops import row_keys
 from hyloop.graphs.step_batch import StepOutput
+from hyloop.models.detokenizer import IncrementalText, output_text
 
 # Batch and Chunk live in ``batches``; importers find them here too.
 __all__ = ["Batch", "Chunk", "Request", "Status", "new_request", "request_output"]

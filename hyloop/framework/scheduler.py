@@ -34,7 +34,7 @@ from hyloop.pools import LedgerError, StepFence
 
 if TYPE_CHECKING:
     from hyloop.features.base import Feature
-    from hyloop.framework.speculative import Speculator
+    from hyloop.speculative import Speculator
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class Scheduler:
         speculator: Speculator | None = None,
     ) -> None:
         self.cache = cache
-        self.speculator = speculator  # drafts for decode steps (``speculative``), or None
+        self.speculator = speculator  # drafts for decode steps (``hyloop.speculative``), or None
         self.features = features  # the step kind's (``stop_hit`` of those a request uses)
         self.fence = fence
         self.tokenizer = tokenizer

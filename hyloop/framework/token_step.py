@@ -9,13 +9,12 @@ are the raw model's. The step's own sampled ids then update what each feature ke
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from hyloop.framework.step_kinds import StepKind, TokenSampling, forward_all, last_rows
 from hyloop.graphs.sampler import sample, token_logprobs
 from hyloop.graphs.step_batch import StepBatch, StepOutput
+from hyloop.speculative.verify import verify
 
 PROMPT_SLICE = 64  # prompt positions whose logits one pass of _prompt_logprobs holds
 
@@ -26,8 +25,8 @@ class TokenStep(StepKind):
     def step(self, batch: StepBatch) -> StepOutput:
         """One forward + sample. Shapes are fixed by ``batch``: capture-safe."""
         hidden = forward_all(self.model, batch)
-        if batch.verify:
-            return self._verify(hidden, batch)
+        if batch.verify:  # a row and its drafts (``hyloop.speculative``)
+            return verify(self.model, self._sample, hidden, batch)
         logits = self.model.compute_logits(last_rows(hidden, batch))
         next_ids = self._sample(logits, batch)
         out = StepOutput(next_ids, logits)
@@ -65,32 +64,6 @@ class TokenStep(StepKind):
         for f in applied:
             f.after_sample(s, batch, next_ids)
         return next_ids
-
-    def _verify(self, hidden: torch.Tensor, batch: StepBatch) -> StepOutput:
-        """A verify step: position ``j`` of a row is sampled as the plain decode step at its
-        output position would sample it, its features having counted the tokens before it
-        (``after_sample`` with the positions kept so far); a row keeps positions while each
-        sample equals the draft that follows it (``speculative``)."""
-        b, t = hidden.shape[:2]
-        logits = self.model.compute_logits(hidden.reshape(b * t, -1)).view(b, t, -1)
-        drafts = batch.input_ids[:, 1:]
-        keep = batch.extend_lens > 0
-        ids, kept = [], []
-        for j in range(t):
-            keep = keep & (batch.extend_lens > j)
-            at = dataclasses.replace(batch, out_pos=batch.out_pos + j, keeps=keep.long(), meta={})
-            tok = self._sample(logits[:, j], at)
-            ids.append(tok)
-            kept.append(keep)
-            if j + 1 < t:
-                keep = keep & (tok == drafts[:, j])
-        next_ids = torch.stack(ids, 1)
-        out = StepOutput(next_ids, logits, accepted=torch.stack(kept, 1).sum(1))
-        if batch.num_logprobs > 0:
-            parts = token_logprobs(logits.view(b * t, -1), next_ids.view(-1), batch.num_logprobs)
-            lp, rank, top_lp, top_ids = (p.view(b, t, *p.shape[1:]) for p in parts)
-            out.chosen_lp, out.chosen_rank, out.top_lp, out.top_ids = lp, rank, top_lp, top_ids
-        return out
 
     def _prompt_logprobs(self, hidden: torch.Tensor, batch: StepBatch) -> tuple[torch.Tensor, ...]:
         """``token_logprobs`` of the next prompt tokens ``[B, T]`` (and the top ``[B, T, k]``) for

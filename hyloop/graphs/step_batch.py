@@ -9,9 +9,8 @@ device tensors of one row per req->token row, written once when a request takes 
 read through ``req_rows``, so a captured step reads them like a pool and a per-request field
 is declared once, where its value comes from (``column``).
 
-``CaptureBuffer`` is the fixed-address form a captured step reads: ``init(max_bs)``,
-``view(bs, ...)`` (a ``StepBatch`` over the first rows) and ``copy_from(batch)`` (rows in
-place, the rest inert padding). ``StepOutput`` is what a step returns.
+Its fixed-address form, which a captured step reads, is ``graphs.capture.buffer.CaptureBuffer``.
+``StepOutput`` is what a step returns.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from hyloop.graphs.request_table import RequestTable, column
 
 __all__ = [
     "Blend",
-    "CaptureBuffer",
     "RequestTable",
     "StepBatch",
     "StepOutput",
@@ -104,7 +102,7 @@ class StepBatch:
     pools: StepPools
     kv_len: int  # static: table columns attention reads (>= max(prefix + extend))
     is_decode: bool = False  # static: one new token per row (the decode path of every layer)
-    # static: a verify step (``framework.speculative``): row b's positions after the first are
+    # static: a verify step (``hyloop.speculative``): row b's positions after the first are
     # its drafts, each position is sampled, and the output counts the tokens each row keeps
     verify: bool = False
     top_cap: int = 0  # static: sampler candidates (``sampler.candidate_cap``)
@@ -217,120 +215,6 @@ class StepOutput:
             ts = [getattr(p, f.name) for p in parts]
             joined[f.name] = None if ts[0] is None else torch.cat(ts)
         return StepOutput(**joined)
-
-
-@dataclass
-class CaptureBuffer:
-    """Persistent row buffers of ``max_bs`` rows that captured steps read, updated in place."""
-
-    full: StepBatch
-
-    @classmethod
-    def init(
-        cls,
-        max_bs: int,
-        pools: StepPools,
-        kv_len: int,
-        channels: int | None = None,
-        tokens: int = 1,
-    ) -> CaptureBuffer:
-        """Buffers for up to ``max_bs`` rows, all padding rows; ``channels`` makes
-        ``input_ids`` ``[max_bs, 1, channels]`` (multi-channel rows); ``tokens > 1``: a verify
-        step's, that many positions per row (its views take the first few)."""
-        if isinstance(max_bs, bool) or not isinstance(max_bs, int) or max_bs < 1:
-            raise ValueError(f"CaptureBuffer.init: max_bs {max_bs!r}, expected an int >= 1")
-        device = pools.req_to_token.device
-        rows = {}
-        for f in row_fields():
-            shape: tuple[int, ...] = (max_bs, tokens) if f.metadata["tokens"] else (max_bs,)
-            if f.name == "input_ids" and channels:
-                shape = (max_bs, 1, channels)
-            rows[f.name] = torch.zeros(shape, dtype=torch.int64, device=device)
-        full = StepBatch(
-            **rows,
-            pools=pools,
-            kv_len=kv_len,
-            is_decode=tokens == 1,
-            verify=tokens > 1,
-            keep_logits=True,
-        )
-        buffer = cls(full)
-        buffer.fill_padding(buffer.full)
-        return buffer
-
-    @property
-    def max_bs(self) -> int:
-        return self.full.batch_size
-
-    def view(
-        self,
-        bs: int,
-        kv_len: int,
-        top_cap: int = 0,
-        num_logprobs: int = 0,
-        features: int = 0,
-        tokens: int = 1,
-    ) -> StepBatch:
-        """The first ``bs`` rows (shared storage) with these static values; ``features``: the
-        bits of the features applied (a neutral row's are no-ops; padding rows are greedy);
-        ``tokens``: a verify buffer's positions per row."""
-        if not 1 <= bs <= self.max_bs:
-            raise ValueError(f"CaptureBuffer.view: bs {bs}, expected 1..{self.max_bs}")
-        t = tokens if self.full.verify else 1
-        rows = {
-            f.name: getattr(self.full, f.name)[:bs, :t]
-            if f.metadata["tokens"] and t > 1
-            else getattr(self.full, f.name)[:bs]
-            for f in row_fields()
-        }
-        return dataclasses.replace(
-            self.full,
-            **rows,
-            kv_len=kv_len,
-            top_cap=top_cap,
-            num_logprobs=num_logprobs,
-            features=features,
-            meta={},
-        )
-
-    @staticmethod
-    def copy_from(view: StepBatch, batch: StepBatch) -> None:
-        """Write ``batch``'s rows into ``view`` in place and make its other rows padding. The
-        static values must fit the view, else the captured step would compute something else."""
-        n, bs = batch.batch_size, view.batch_size
-        if n > bs:
-            raise ValueError(f"CaptureBuffer.copy_from: batch of {n} rows, expected <= {bs}")
-        if batch.kv_len > view.kv_len:
-            raise ValueError(
-                f"CaptureBuffer.copy_from: kv_len {batch.kv_len}, expected <= {view.kv_len}"
-            )
-        t, room = batch.input_ids.shape[1], view.input_ids.shape[1]
-        if batch.verify != view.verify or (batch.verify and t > room):
-            raise ValueError(
-                f"CaptureBuffer.copy_from: verify={batch.verify} with {t} positions per row, "
-                f"expected verify={view.verify} with at most {room}"
-            )
-        if batch.mode != view.mode:
-            raise ValueError(
-                f"CaptureBuffer.copy_from: mode (top_cap, num_logprobs, features) {batch.mode}, "
-                f"expected {view.mode}"
-            )
-        for f in row_fields():
-            dst, src = getattr(view, f.name)[:n], getattr(batch, f.name)
-            if f.metadata["tokens"] and src.shape[1] < dst.shape[1]:  # a verify row's tail
-                dst[:, src.shape[1] :].fill_(0)
-                dst = dst[:, : src.shape[1]]
-            dst.copy_(src, non_blocking=True)
-        CaptureBuffer.fill_padding(view, n)
-
-    @staticmethod
-    def fill_padding(view: StepBatch, start: int = 0) -> None:
-        """Make rows ``[start, bs)`` of ``view`` padding rows (all rows by default)."""
-        if start >= view.batch_size:
-            return
-        for f in row_fields():
-            pad = f.metadata["pad"]
-            getattr(view, f.name)[start:].fill_(view.pools.padding_row if pad < 0 else pad)
 
 
 def check_batch(batch: StepBatch) -> None:

@@ -35,8 +35,8 @@ from hyloop.graphs.capture.buckets import (
     pick_bucket,
     verify_buckets,
 )
+from hyloop.graphs.capture.buffer import CaptureBuffer
 from hyloop.graphs.step_batch import (
-    CaptureBuffer,
     StepBatch,
     StepOutput,
     StepPools,

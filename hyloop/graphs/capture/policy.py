@@ -27,8 +27,9 @@ import torch
 from hyloop.graphs.capture.auto_plan import Estimates, Outlook, Plan, choose, simulate
 from hyloop.graphs.capture.bucket_runner import BucketRunner
 from hyloop.graphs.capture.buckets import ArtifactKey, pick_bucket
+from hyloop.graphs.capture.buffer import CaptureBuffer
 from hyloop.graphs.capture.history import StepHistory
-from hyloop.graphs.step_batch import CaptureBuffer, StepBatch, StepOutput
+from hyloop.graphs.step_batch import StepBatch, StepOutput
 
 __all__ = ["Backend", "Graphs", "resolve_backend"]
 

@@ -1,4 +1,4 @@
-"""The n-gram drafter and the drafting policy (``framework.speculative``), and the vLLM surface
+"""The n-gram drafter and the drafting policy (``hyloop.speculative``), and the vLLM surface
 of ``speculative_config``."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from hyloop.api.engine_args import EngineArgs
 from hyloop.framework.batches import Batch, Chunk
 from hyloop.framework.config import ConfigError, load_config
 from hyloop.framework.sampling_params import NotSupportedError
-from hyloop.framework.speculative import QUIET, REMEASURE, NgramDrafter, Speculator
+from hyloop.speculative.policy import QUIET, REMEASURE, NgramDrafter, Speculator
 
 
 def test_drafts_follow_the_latest_earlier_match_of_the_longest_ngram() -> None:

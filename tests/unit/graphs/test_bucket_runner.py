@@ -19,11 +19,11 @@ from hyloop.framework.token_step import TokenStep
 from hyloop.graphs.capture.backends import GUARD_EVERY, CompiledStep, RecompileError
 from hyloop.graphs.capture.bucket_runner import BucketRunner
 from hyloop.graphs.capture.buckets import ArtifactKey, kv_len_buckets, pick_bucket
+from hyloop.graphs.capture.buffer import CaptureBuffer
 from hyloop.graphs.safety import check_capture_safe
 from hyloop.graphs.sampler import sample, token_hashes
 from hyloop.graphs.step_batch import (
     GREEDY,
-    CaptureBuffer,
     StepBatch,
     StepOutput,
     StepPools,

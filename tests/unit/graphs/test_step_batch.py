@@ -17,7 +17,8 @@ from hyloop.framework.requests import Request
 from hyloop.framework.sampling_params import SamplingParams
 from hyloop.framework.step_kinds import TokenSampling
 from hyloop.graphs.capture import ArtifactKey, BucketRunner
-from hyloop.graphs.step_batch import CaptureBuffer, RequestTable, StepBatch, StepOutput, column
+from hyloop.graphs.capture.buffer import CaptureBuffer
+from hyloop.graphs.step_batch import RequestTable, StepBatch, StepOutput, column
 
 
 @dataclasses.dataclass

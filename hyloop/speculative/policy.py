@@ -1,28 +1,4 @@
-"""Exact speculative decoding: n-gram drafts (prompt lookup) that a verify step keeps or drops.
-
-Sampling is counter-based (``graphs.sampler``): the token at output position ``t`` is a
-function of that position's logits and the request's seed alone. A verify step computes each
-row's last token and its drafts in one forward, samples every position as a plain decode step
-would (every feature applied with the tokens before it counted) and keeps a draft exactly when
-the sample at its position equals it: the accepted drafts plus the first sample that differs
-(or follows the last draft) are the tokens decoding without speculation gives, greedy and
-seeded sampled requests alike.
-
-``NgramDrafter`` proposes a request's drafts from its own history: the tokens that followed
-the latest earlier occurrence of its trailing n-gram (longest first, ``prompt_lookup_max`` down
-to ``prompt_lookup_min``), from an index updated as tokens arrive. ``Speculator`` is the
-engine's policy, a cost model measured as it runs: a verify step of ``D`` drafts per row costs
-``D`` more positions for every row of the batch (its rows are padded to the longest), each
-worth ``r`` tokens of a plain step (``r``: the measured cost of a position over the measured
-time per token of a plain step of that batch size); row ``i``'s ``j``-th draft is kept with
-probability ``a_i ** j`` (``a_i``: its recent acceptance, drifting back to a prior while it
-does not draft, so a request whose drafts failed tries again). Each step takes the ``D`` whose
-expected tokens gained, less ``r * B * D``, is largest, none when no ``D`` gains: drafts that
-rarely match, or a step whose cost grows too fast with its rows, leave the plain step. Drafts
-stay within the request's output budget, so the KV a verify step writes lies in pages the
-request reserved at admission; what it writes for rejected positions is overwritten by the
-next step and never committed (commits read ``num_computed``, which counts accepted tokens).
-"""
+"""Speculative decoding's drafts and the policy that picks them (n-gram prompt lookup)."""
 
 from __future__ import annotations
 
