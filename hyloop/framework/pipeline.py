@@ -110,9 +110,6 @@ class StepPipeline:
             return None
         if self.device.type == "cuda" and self.kind.host_fed(sched.running):
             return None  # a CUDA graph cannot wait for rows the host still writes: drain
-        spec = sched.speculator
-        if spec is not None and not spec.skips(sched.running):
-            return None  # drafts follow the newest token: drain, then a verify step
         rows: list[int] = []
         chunks: list[Chunk] = []
         for i, c in enumerate(after.chunks):
@@ -128,6 +125,9 @@ class StepPipeline:
         spans = [(c.req.request_id, c.start, c.start + 1) for c in chunks]
         if windows is not None and not windows.room(spans):
             return None  # a window page would wait for an eviction behind the running step
+        spec = sched.speculator
+        if spec is not None and not spec.skips(sched.running):
+            return None  # drafts follow the newest token: drain, then a verify step
         return self.prepare(Batch(chunks, is_decode=True, planned=True), rows, len(after.chunks))
 
     # -- launch ---------------------------------------------------------------------------------
@@ -197,7 +197,10 @@ class StepPipeline:
                     self.scheduler.fail(c.req, e)
         finally:
             self.kind.settle()
-        return self.scheduler.resolve(batch, step.output, ids, rows)
+        outputs = self.scheduler.resolve(batch, step.output, ids, rows)
+        if batch.verify and spec is not None:
+            spec.settle(batch.chunks)
+        return outputs
 
     # -- checks ---------------------------------------------------------------------------------
     def unresolved(self) -> list[InflightStep]:

@@ -196,11 +196,7 @@ class Scheduler:
 
     # -- a resolved step ------------------------------------------------------------------------
     def resolve(
-        self,
-        batch: Batch,
-        out: StepOutput,
-        next_ids: list[int],
-        next_rows: list[list[int]] | None,
+        self, batch: Batch, out: StepOutput, next_ids: list[int], next_rows: list[list[int]] | None
     ) -> list[RequestOutput]:
         """Commit what the step computed, append its tokens, run stop checks, finish requests;
         returns running outputs."""
@@ -208,8 +204,9 @@ class Scheduler:
         outs: list[RequestOutput] = []
         for i, chunk in enumerate(batch.chunks):
             req = chunk.req
-            if req.status is not Status.RUNNING:
-                continue  # finished or aborted before this step resolved: token discarded
+            if req.status is not Status.RUNNING:  # ended before this step resolved: dropped
+                chunk.taken = 0 if batch.verify else chunk.taken
+                continue
             try:
                 got = self._resolve_one(batch, i, out, next_ids, next_rows)
             except Exception as e:
@@ -247,6 +244,7 @@ class Scheduler:
                     req.stop_reason, reason = hit, "stop"
                     break
             if reason is not None:
+                chunk.taken = j + 1  # (a verify step's tokens after a stop are dropped)
                 self.finish(req, reason)
                 return None
         if req.params.output_kind is not RequestOutputKind.FINAL_ONLY:

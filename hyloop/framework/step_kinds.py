@@ -280,7 +280,8 @@ class StepKind:
             dtype=torch.int64,
         )
         rows, prefix, ext, state, track, out_pos, keeps = self.to_device(per_row)
-        wants = [i for i, c in enumerate(chunks) if c.req.params.prompt_logprobs is not None]
+        asks = [] if verify else chunks  # a verify step reads no prompt logprobs
+        wants = [i for i, c in enumerate(asks) if c.req.params.prompt_logprobs is not None]
         k = max((chunks[i].req.params.prompt_logprobs or 0 for i in wants), default=-1)
         targets = None
         if wants:  # the wanting rows' next prompt token at each position (-1: none)

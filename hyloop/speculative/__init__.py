@@ -15,13 +15,16 @@ engine's policy, a cost model measured as it runs: a verify step of ``D`` drafts
 ``D`` more positions for every row of the batch (its rows are padded to the longest), each
 worth ``r`` tokens of a plain step (``r``: the measured cost of a position over the measured
 time per token of a plain step of that batch size); row ``i``'s ``j``-th draft is kept with
-probability ``a_i ** j`` (``a_i``: its recent acceptance, drifting back to a prior while it
-does not draft, so a request whose drafts failed tries again). Each step takes the ``D`` whose
+probability ``a_i ** j`` (``a_i``: its recent acceptance; while the policy declines its
+matches, it drifts back to a prior, as a position's measured cost does with each plain step, so
+drafting that stopped is tried again). Each step takes the ``D`` whose
 expected tokens gained, less ``r * B * D``, is largest, none when no ``D`` gains: drafts that
 rarely match, or a step whose cost grows too fast with its rows, leave the plain step. Drafts
 stay within the request's output budget, so the KV a verify step writes lies in pages the
-request reserved at admission; what it writes for rejected positions is overwritten by the
-next step and never committed (commits read ``num_computed``, which counts accepted tokens).
+request reserved at admission; what it writes for rejected positions lies past
+``num_computed`` (which counts accepted tokens): masked from every later step until a later one
+writes there, and never committed. Exact on CPU, where every kernel computes a row's bits
+whatever the rows beside it; refused on other devices.
 
 The package is a plug-in of the core: ``policy.py`` (``NgramDrafter``, ``Speculator``, and
 ``speculator_for``, which assembly calls), ``verify.py`` (the verify step ``TokenStep`` runs on a

@@ -18,6 +18,7 @@ PRIOR_RATIO = 0.3  # a position's cost in plain-step tokens until this batch siz
 PRIOR = (1.2, 2.0)  # a new request's (kept, verified) drafts: acceptance 0.6 until measured
 DECAY = 0.8  # what a request's earlier verify steps weigh against its latest
 RELAX = 0.9  # a step a request does not draft moves its acceptance this far back to the prior
+DRIFT = 0.97  # a plain step moves a position's measured cost this far back to the prior
 QUIET = 4  # steps a lookahead loop plans without drafts once drafting did not pay
 REMEASURE = 16  # verify steps between two plain ones of a batch size (contexts grow)
 
@@ -99,8 +100,11 @@ class Speculator:
         """A decode step's wall time, into the cost model (moving averages per batch size)."""
         rows = len(batch.chunks)
         if not batch.verify:
-            self.plain[rows] = _average(self.plain.get(rows), seconds)
+            plain = self.plain[rows] = _average(self.plain.get(rows), seconds)
             self.since_plain[rows] = 0
+            if rows in self.position:  # unverified lately, the cost drifts back to the prior:
+                prior = PRIOR_RATIO * plain / rows  # drafting that stopped is tried again
+                self.position[rows] = DRIFT * self.position[rows] + (1 - DRIFT) * prior
             return
         self.since_plain[rows] = self.since_plain.get(rows, 0) + 1
         plain = self.plain.get(rows)
@@ -153,19 +157,24 @@ class Speculator:
                 state = self.state(c.req)
                 state.kept = RELAX * state.kept + (1 - RELAX) * PRIOR[0]
                 state.verified = RELAX * state.verified + (1 - RELAX) * PRIOR[1]
+        self.quiet = 0 if best else QUIET
         if best == 0:
-            self.quiet = QUIET
             return False
         self.verify_steps += 1
         return True
 
     def accept(self, chunks: list[Chunk], taken: torch.Tensor | None) -> None:
         """A resolved verify step: each chunk takes its row's count of kept tokens (its
-        accepted drafts and the token after them)."""
+        accepted drafts and the token after them; the scheduler lowers it to what it appended,
+        a stop among them or a request already ended)."""
         assert taken is not None, "a verify step's output counts the tokens each row keeps"
         for c, n in zip(chunks, taken.tolist(), strict=True):
             c.taken = n
-            self.record(c.req, len(c.drafts), n - 1)
+
+    def settle(self, chunks: list[Chunk]) -> None:
+        """After the scheduler appended a verify step's tokens: what each row's drafts gave."""
+        for c in chunks:
+            self.record(c.req, len(c.drafts), max(0, c.taken - 1))
 
     def record(self, req: Request, drafted: int, accepted: int) -> None:
         """A verify step kept ``accepted`` of ``req``'s ``drafted`` drafts: each kept one, and
@@ -200,7 +209,9 @@ def speculator_for(cfg: EngineConfig, contract: ModelContract, swa_pool: bool) -
     if cfg.speculative.method is None:
         return None
     why = None
-    if contract.rows is not None:
+    if cfg.device != "cpu":  # cuBLAS and SDPA pick kernels by shape: a verify step's rows
+        why = "exact on CPU only (a GPU's kernels change with the rows a verify step adds)"
+    elif contract.rows is not None:
         why = "a row (TTS) model samples frames, not tokens"
     elif contract.recurrent is not None:
         why = "a hybrid model's recurrent state would advance over rejected drafts"

@@ -78,9 +78,9 @@ def test_a_batch_size_runs_a_measured_plain_step_first_then_drafts_what_pays() -
     chunks = decode([req])
     assert not spec.draft(chunks, []) and chunks[0].drafts == []  # expected gain below cost
     assert low < req.draft.rate < 0.6  # untried, its acceptance drifts back towards the prior
-    tried = [spec.draft(decode([req]), []) for _ in range(40)]
-    assert any(tried)  # it drafts again
     assert spec.quiet == QUIET and spec.skips([req]) and spec.quiet == QUIET - 1
+    tried = [spec.draft(decode([req]), []) for _ in range(40)]
+    assert any(tried) and spec.quiet == 0  # it drafts again; lookahead drains for it
 
 
 def test_a_costly_position_keeps_fewer_drafts_and_padding_counts_for_every_row() -> None:
@@ -119,3 +119,24 @@ def test_vllm_speculative_config_maps_onto_the_section() -> None:
         ).to_overrides()
     with pytest.raises(ConfigError, match="prompt_lookup_min"):
         load_config(None, ["speculative.prompt_lookup_min=5", "speculative.prompt_lookup_max=2"])
+
+
+def test_a_measured_position_cost_drifts_back_to_the_prior_with_plain_steps() -> None:
+    spec = speculator()
+    spec.plain[2], spec.position[2] = 0.010, 0.050  # one costly verify step measured
+    assert spec.ratio(2) == pytest.approx(10.0)
+    req = request([1, 2], [], max_new=10)
+    for _ in range(200):  # plain steps: drafting that stopped is tried again
+        spec.timed(Batch(decode([req, req]), is_decode=True), 0.010)
+    assert spec.ratio(2) < 0.35
+
+
+def test_speculation_is_refused_off_the_cpu() -> None:
+    from hyloop.speculative import speculator_for
+
+    cfg = load_config(None, ["speculative.method=ngram", "device=cuda"])
+    contract = SimpleNamespace(rows=None, recurrent=None)
+    with pytest.raises(ValueError, match="exact on CPU only"):
+        speculator_for(cfg, contract, swa_pool=False)  # type: ignore[arg-type]
+    cpu = load_config(None, ["speculative.method=ngram"])
+    assert isinstance(speculator_for(cpu, contract, swa_pool=False), Speculator)  # type: ignore[arg-type]
