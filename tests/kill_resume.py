@@ -117,10 +117,14 @@ def run(
     at: tuple[Path, int] | None = None,
 ) -> tuple[int, str]:
     """Run ``cmd``; send ``sig`` ``delay`` s after its start or, with ``at = (output, n)``, once
-    the output holds ``n`` lines (then ``delay`` s later). Returns its exit code and stderr."""
+    the output holds ``n`` lines and one this run wrote (then ``delay`` s later): a resumed run
+    whose output already held ``n`` lines is signalled once it runs, not while the interpreter
+    starts (a SIGINT inside Python's own start-up ends it with that traceback, whatever the
+    program). Returns its exit code and stderr."""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     if sig is not None and at is not None:
-        while proc.poll() is None and _lines(at[0]) < at[1]:
+        want = max(at[1], _lines(at[0]) + 1)
+        while proc.poll() is None and _lines(at[0]) < want:
             time.sleep(0.005)
     if sig is not None:
         try:
