@@ -20,20 +20,24 @@ RESUME = (
 def main(argv: list[str] | None = None) -> int:
     """The command (``argv`` None: the process's own arguments, and the process ends after it;
     a list: a call from Python, e.g. a test, which leaves the process's signals alone)."""
+    code = 1  # what a command that raised ends with
     try:
-        return _main(argv)
+        code = _main(argv)
+        return code
     except KeyboardInterrupt:  # before a job's own handlers were in place
         print("hyloop: interrupted by SIGINT; no row ran", file=sys.stderr)
-        return 130
+        code = 130
+        return code
     finally:
         if argv is None:
-            _quiet_teardown()
+            _quiet_teardown(code)
 
 
-def _quiet_teardown() -> None:
-    """The command is done and what it wrote is flushed: a SIGINT / SIGTERM that comes while
-    the interpreter tears down (its finalizers, the pools' threads) ends the process at once with
-    its signal's code, not with a KeyboardInterrupt traceback from inside a finalizer."""
+def _quiet_teardown(code: int) -> None:
+    """The command is done, with exit ``code``, and what it wrote is flushed: a SIGINT / SIGTERM
+    that comes while the interpreter tears down (its finalizers, the pools' threads) ends the
+    process at once with that code (the work it would stop is over), not with a
+    KeyboardInterrupt traceback from inside a finalizer."""
     import os
     import signal
     import threading
@@ -43,7 +47,7 @@ def _quiet_teardown() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, frame: os._exit(128 + signum))
+        signal.signal(sig, lambda signum, frame: os._exit(code))
 
 
 def _main(argv: list[str] | None) -> int:
