@@ -317,7 +317,11 @@ void group16(const float* q, int64_t G, const T* kb, int64_t k_row, const T* vb,
   }
   constexpr int64_t lines = (D * static_cast<int64_t>(sizeof(T)) + 63) / 64;
   float* scores = scratch;  // [G][n]
-  const __m512 sc = _mm512_set1_ps(scale);
+  const __m512 sc = _mm512_set1_ps(scale), ninf16 = _mm512_set1_ps(ninf);
+  // Each head's running max over its scores' lanes: a max is the same in any order (a NaN
+  // score is passed over, as std::max(mx, s) does; +0 / -0 give the same e^(s - max)).
+  thread_local std::vector<float> maxima;
+  maxima.assign(16 * G, ninf);
   for (int64_t c0 = 0; c0 < n; c0 += 16) {
     const int64_t cn = std::min<int64_t>(16, n - c0);
     for (int64_t c = 0; c < cn; ++c) {  // the next block's K rows, this block's V rows
@@ -343,28 +347,45 @@ void group16(const float* q, int64_t G, const T* kb, int64_t k_row, const T* vb,
       }
       const __m512 s = _mm512_add_ps(_mm512_mul_ps(tree16x16(acc), sc), bias16);
       _mm512_mask_storeu_ps(scores + g * L + c0, live, s);
+      float* m = maxima.data() + 16 * g;
+      _mm512_storeu_ps(m, _mm512_max_ps(_mm512_mask_blend_ps(live, ninf16, s), _mm512_loadu_ps(m)));
     }
   }
-  float* inv = scratch + G * L;
-  softmax_heads(scores, G, L, n, inv);
-  // Weighted values: each head's D sums from +0 in registers, column by column.
+  // e^(score - max) per head, as ``softmax_heads``; the sums from +0 are taken below.
+  for (int64_t g = 0; g < G; ++g) {
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_loadu_ps(maxima.data() + 16 * g)));
+    float* sg = scores + g * L;
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) _mm512_storeu_ps(sg + j, exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + j), mx)));
+    if (j < n) {
+      const __mmask16 m = static_cast<__mmask16>((1u << (n - j)) - 1);
+      _mm512_mask_storeu_ps(sg + j, m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + j), mx)));
+    }
+  }
+  // Weighted values: each head's D sums from +0 in registers, column by column, and beside
+  // them its weights' sum from +0 (the softmax's denominator), column by column.
   constexpr int64_t HB = 16 / NC;  // heads a pass holds
   for (int64_t g0 = 0; g0 < G; g0 += HB) {
     const int64_t hb = std::min<int64_t>(HB, G - g0);
     __m512 acc[HB][NC];
-    for (int64_t g = 0; g < HB; ++g)
+    float total[HB];
+    for (int64_t g = 0; g < HB; ++g) {
+      total[g] = 0.0f;
       for (int i = 0; i < NC; ++i) acc[g][i] = _mm512_setzero_ps();
+    }
     for (int64_t j = 0; j < n; ++j) {
       __m512 v[NC];
       for (int i = 0; i < NC; ++i) v[i] = load16(vs[j] + 16 * i);
       for (int64_t g = 0; g < HB; ++g) {
         if (g >= hb) break;
-        const __m512 pv = _mm512_set1_ps(scores[(g0 + g) * L + j]);
+        const float p = scores[(g0 + g) * L + j];
+        total[g] = total[g] + p;
+        const __m512 pv = _mm512_set1_ps(p);
         for (int i = 0; i < NC; ++i) acc[g][i] = _mm512_add_ps(acc[g][i], _mm512_mul_ps(pv, v[i]));
       }
     }
     for (int64_t g = 0; g < hb; ++g) {
-      const __m512 iv = _mm512_set1_ps(inv[g0 + g]);
+      const __m512 iv = _mm512_set1_ps(1.0f / total[g]);
       for (int i = 0; i < NC; ++i)
         _mm512_storeu_ps(out + (g0 + g) * D + 16 * i, _mm512_mul_ps(acc[g][i], iv));
     }
