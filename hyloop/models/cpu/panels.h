@@ -725,7 +725,7 @@ inline void gemm(const Weight& w, const Rows& x, int64_t p0, int64_t p1, const O
     for (; p < p1; ++p) dense_blocked<1>(w, x, p, out);
   } else if (dense) {
     for (; p + 2 <= p1; p += 2) rows_over<8, 2>(w, x, p, out);
-  } else if (x.m > 4 && x.m <= 8) {  // one block of every row per panel: codes unpacked once
+  } else if (x.m > 4 && x.m < 12) {  // a block of 8 rows (and one of the rest) per panel
     for (; p < p1; ++p) rows_over<8, 1>(w, x, p, out);
   } else {
     for (; p + 2 <= p1; p += 2) rows_over<4, 2>(w, x, p, out);

@@ -246,3 +246,5 @@ def test_a_prefix_hit_does_not_change_a_quantized_rows_result(k: int) -> None:
     whole = layer(rows)
     torch.testing.assert_close(layer(rows[:1]), whole[:1], rtol=0, atol=0)
     torch.testing.assert_close(layer(rows[5:9]), whole[5:9], rtol=0, atol=0)
+    for n in range(1, 18):  # every row block shape (one row, 4 x 2, 8 and the rest, tiles)
+        torch.testing.assert_close(layer(rows[:n]), whole[:n], rtol=0, atol=0)
