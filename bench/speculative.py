@@ -11,8 +11,10 @@ For each weights mode (``q4_1``: the file as shipped, ``model.weights=auto``; ``
 dequantized), backend (``auto``, the default config, and ``eager``) and batch size, one engine
 without speculation and one with ``speculative_config={"method": "ngram", ...}`` run each
 workload in turn (``--waves`` times, interleaved); the table gives decode tok/s of each (best
-wave, by the engines' counters), their ratio, the share of drafts accepted and the tokens per
-decode step, and checks that both engines returned the same tokens. ``--json`` writes it all.
+wave, by the engines' counters; a wave runs ``--requests`` requests of the workload, at least
+the batch, ``--batches`` at a time: at batch 1 one after another), their ratio, the share of
+drafts accepted and the tokens per decode step, and checks that both engines returned the
+same tokens. ``--json`` writes it all.
 
     python bench/speculative.py [--modes q4_1,fp32] [--backends auto,eager] [--batches 1,16]
 """
@@ -102,7 +104,7 @@ def run_cell(mode: str, backend: str, batch: int, args: argparse.Namespace) -> l
     rows = []
     try:
         for name, make in WORKLOADS.items():
-            messages = [make(i) for i in range(batch)]
+            messages = [make(i) for i in range(max(batch, args.requests))]
             for llm in llms.values():
                 wave(llm, messages, 8)  # captures, first-call allocations
             rates: dict[str, list[float]] = {"off": [], "on": []}
@@ -125,6 +127,7 @@ def run_cell(mode: str, backend: str, batch: int, args: argparse.Namespace) -> l
                     "weights": mode,
                     "backend": backend,
                     "batch": batch,
+                    "requests": len(messages),
                     "off_tok_s": off,
                     "on_tok_s": on,
                     "ratio": on / off,
@@ -155,6 +158,12 @@ def main() -> None:
     parser.add_argument("--backends", default="auto,eager")
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--new-tokens", type=int, default=200)
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=8,
+        help="requests of a workload per wave (at least the batch; batch 1 runs them in turn)",
+    )
     parser.add_argument("--waves", type=int, default=2)
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--lookup-max", type=int, default=4)
