@@ -103,7 +103,8 @@ def run_cell(mode: str, backend: str, batch: int, args: argparse.Namespace) -> l
     }
     rows = []
     try:
-        for name, make in WORKLOADS.items():
+        for name in args.workloads.split(","):
+            make = WORKLOADS[name]
             messages = [make(i) for i in range(max(batch, args.requests))]
             for llm in llms.values():
                 wave(llm, messages, 8)  # captures, first-call allocations
@@ -165,12 +166,16 @@ def main() -> None:
         help="requests of a workload per wave (at least the batch; batch 1 runs them in turn)",
     )
     parser.add_argument("--waves", type=int, default=2)
+    parser.add_argument("--workloads", default="rag,code,chat")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--lookup-max", type=int, default=4)
     parser.add_argument("--lookup-min", type=int, default=2)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     batches = parse_batches(parser, args.batches)
+    for name in args.workloads.split(","):
+        if name not in WORKLOADS:
+            parser.error(f"--workloads: {name!r}, expected some of {sorted(WORKLOADS)}")
     for mode in args.modes.split(","):
         if mode not in MODES:
             parser.error(f"--modes: {mode!r}, expected some of {sorted(MODES)}")

@@ -126,7 +126,7 @@ class StepPipeline:
         if windows is not None and not windows.room(spans):
             return None  # a window page would wait for an eviction behind the running step
         spec = sched.speculator
-        if spec is not None and not spec.skips(sched.running):
+        if spec is not None and not spec.skips():
             return None  # drafts follow the newest token: drain, then a verify step
         return self.prepare(Batch(chunks, is_decode=True, planned=True), rows, len(after.chunks))
 

@@ -18,8 +18,9 @@ PRIOR_RATIO = 0.3  # a position's cost in plain-step tokens until this batch siz
 PRIOR = (1.2, 2.0)  # a new request's (kept, verified) drafts: acceptance 0.6 until measured
 DECAY = 0.8  # what a request's earlier verify steps weigh against its latest
 RELAX = 0.9  # a step a request does not draft moves its acceptance this far back to the prior
-DRIFT = 0.97  # a plain step moves a position's measured cost this far back to the prior
-QUIET = 4  # steps a lookahead loop plans without drafts once drafting did not pay
+DRIFT = 0.99  # a plain step moves a position's measured cost this far back to the prior
+QUIET = 4  # steps a lookahead loop plans without drafts once drafting did not pay ...
+QUIET_MAX = 64  # ... doubling each time it again did not pay, up to this many
 REMEASURE = 16  # verify steps between two plain ones of a batch size (contexts grow)
 
 
@@ -82,6 +83,7 @@ class Speculator:
         self.position: dict[int, float] = {}
         self.since_plain: dict[int, int] = {}  # verify steps since a plain one, by batch size
         self.quiet = 0  # planned steps left without drafts (lookahead)
+        self.quiet_next = QUIET  # the next stretch of them
 
     def state(self, req: Request) -> DraftState:
         if req.draft is None:
@@ -113,9 +115,11 @@ class Speculator:
             cost = max(0.0, seconds - plain) / (rows * extra)
             self.position[rows] = _average(self.position.get(rows), cost)
 
-    def skips(self, reqs: list[Request]) -> bool:
+    def skips(self) -> bool:
         """Whether a lookahead loop may plan the next step without drafts (drafting did not
-        pay at a recent step); each planned step counts."""
+        pay at a recent step); each planned step counts. Each stretch of them ends in a drained
+        step that asks again; while drafting keeps not paying, the stretches double (fewer
+        drains where drafts rarely match)."""
         if self.quiet <= 0:
             return False
         self.quiet -= 1
@@ -157,7 +161,10 @@ class Speculator:
                 state = self.state(c.req)
                 state.kept = RELAX * state.kept + (1 - RELAX) * PRIOR[0]
                 state.verified = RELAX * state.verified + (1 - RELAX) * PRIOR[1]
-        self.quiet = 0 if best else QUIET
+        if best:
+            self.quiet, self.quiet_next = 0, QUIET
+        else:
+            self.quiet, self.quiet_next = self.quiet_next, min(2 * self.quiet_next, QUIET_MAX)
         if best == 0:
             return False
         self.verify_steps += 1

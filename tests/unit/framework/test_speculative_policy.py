@@ -12,7 +12,7 @@ from hyloop.api.engine_args import EngineArgs
 from hyloop.framework.batches import Batch, Chunk
 from hyloop.framework.config import ConfigError, load_config
 from hyloop.framework.sampling_params import NotSupportedError
-from hyloop.speculative.policy import QUIET, REMEASURE, NgramDrafter, Speculator
+from hyloop.speculative.policy import QUIET, QUIET_MAX, REMEASURE, NgramDrafter, Speculator
 
 
 def test_drafts_follow_the_latest_earlier_match_of_the_longest_ngram() -> None:
@@ -78,9 +78,27 @@ def test_a_batch_size_runs_a_measured_plain_step_first_then_drafts_what_pays() -
     chunks = decode([req])
     assert not spec.draft(chunks, []) and chunks[0].drafts == []  # expected gain below cost
     assert low < req.draft.rate < 0.6  # untried, its acceptance drifts back towards the prior
-    assert spec.quiet == QUIET and spec.skips([req]) and spec.quiet == QUIET - 1
+    assert spec.quiet == QUIET and spec.skips() and spec.quiet == QUIET - 1
     tried = [spec.draft(decode([req]), []) for _ in range(40)]
     assert any(tried) and spec.quiet == 0  # it drafts again; lookahead drains for it
+    assert spec.quiet_next == QUIET
+
+
+def test_lookahead_drains_less_often_while_drafting_keeps_not_paying() -> None:
+    """Each drained step that finds no draft worth it plans a longer stretch without drafts
+    (fewer drains where drafts rarely match); a step that drafts starts over."""
+    spec = speculator()
+    miss = request([9, 8, 7, 6], [], max_new=500)  # no earlier match: no drafts
+    spec.plain[1], spec.position[1], spec.since_plain[1] = 0.010, 0.001, 0
+    stretches = []
+    for _ in range(6):
+        assert not spec.draft(decode([miss]), [])
+        stretches.append(spec.quiet)
+        while spec.skips():
+            pass
+    assert stretches == [QUIET, 2 * QUIET, 4 * QUIET, 8 * QUIET, 16 * QUIET, QUIET_MAX]
+    hit = request([1, 2, 3, 4, 5, 6, 1, 2], [], max_new=50)
+    assert spec.draft(decode([hit]), []) and spec.quiet == 0 and spec.quiet_next == QUIET
 
 
 def test_a_costly_position_keeps_fewer_drafts_and_padding_counts_for_every_row() -> None:
@@ -126,7 +144,7 @@ def test_a_measured_position_cost_drifts_back_to_the_prior_with_plain_steps() ->
     spec.plain[2], spec.position[2] = 0.010, 0.050  # one costly verify step measured
     assert spec.ratio(2) == pytest.approx(10.0)
     req = request([1, 2], [], max_new=10)
-    for _ in range(200):  # plain steps: drafting that stopped is tried again
+    for _ in range(600):  # plain steps: drafting that stopped is tried again
         spec.timed(Batch(decode([req, req]), is_decode=True), 0.010)
     assert spec.ratio(2) < 0.35
 
