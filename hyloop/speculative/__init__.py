@@ -19,7 +19,9 @@ probability ``a_i ** j`` (``a_i``: its recent acceptance; while the policy decli
 matches, it drifts back to a prior, as a position's measured cost does with each plain step, so
 drafting that stopped is tried again). Each step takes the ``D`` whose
 expected tokens gained, less ``r * B * D``, is largest, none when no ``D`` gains: drafts that
-rarely match, or a step whose cost grows too fast with its rows, leave the plain step. Drafts
+rarely match, or a step whose cost grows too fast with its rows, leave the plain step; under
+lookahead, the steps after one that found no draft worth it are planned ahead without drafts,
+a stretch that doubles (up to 64 steps) while drafting keeps not paying. Drafts
 stay within the request's output budget, so the KV a verify step writes lies in pages the
 request reserved at admission; what it writes for rejected positions lies past
 ``num_computed`` (which counts accepted tokens): masked from every later step until a later one
