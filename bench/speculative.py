@@ -23,13 +23,18 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))  # run from a checkout
 sys.path.insert(0, str(BENCH))
+from peers import PEER_ENV, vllm_preload  # noqa: E402  (the environment before hyloop's)
+
 importlib.import_module("hyloop")  # before torch: OpenMP's passive waits
 
 from common import machine_record, parse_batches, write_json  # noqa: E402
@@ -79,6 +84,16 @@ def wave(llm: LLM, messages: list[list[dict[str, str]]], n: int) -> tuple[float,
     return rate, outs
 
 
+def speculative_config(args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM's ``speculative_config`` for the n-gram drafts the arguments name."""
+    return {
+        "method": "ngram",
+        "num_speculative_tokens": args.k,
+        "prompt_lookup_max": args.lookup_max,
+        "prompt_lookup_min": args.lookup_min,
+    }
+
+
 def run_cell(mode: str, backend: str, batch: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     from hyloop.recipes.offline import default_checkpoint
 
@@ -91,12 +106,7 @@ def run_cell(mode: str, backend: str, batch: int, args: argparse.Namespace) -> l
         f"scheduler.max_running_requests={batch}",
         "cache.enable=false",  # each wave prefills anew: decode is what is timed
     ]
-    spec = {
-        "method": "ngram",
-        "num_speculative_tokens": args.k,
-        "prompt_lookup_max": args.lookup_max,
-        "prompt_lookup_min": args.lookup_min,
-    }
+    spec = speculative_config(args)
     llms = {
         "off": LLM(model=default_checkpoint(), overrides=ov),
         "on": LLM(model=default_checkpoint(), overrides=ov, speculative_config=spec),
@@ -153,6 +163,94 @@ def run_cell(mode: str, backend: str, batch: int, args: argparse.Namespace) -> l
     return rows
 
 
+VLLM_CHILD = """
+import json, sys, time
+from vllm import LLM, SamplingParams
+spec = json.loads(sys.argv[1])
+if __name__ == "__main__":
+    kw = {"speculative_config": spec["speculative"]} if spec["speculative"] else {}
+    llm = LLM(model=spec["model"], dtype="float32", max_model_len=2048, seed=0,
+              max_num_seqs=spec["batch"], **kw)
+    out = {}
+    for name, prompts in spec["workloads"].items():
+        ps = [{"prompt_token_ids": ids} for ids in prompts]
+        llm.generate(ps[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+        p = SamplingParams(temperature=0.0, max_tokens=spec["new_tokens"])
+        best, tokens = 0.0, None
+        for _ in range(spec["waves"]):
+            t0 = time.perf_counter()
+            outs = llm.generate(ps, p, use_tqdm=False)
+            dt = time.perf_counter() - t0
+            best = max(best, sum(len(o.outputs[0].token_ids) for o in outs) / dt)
+            tokens = [list(o.outputs[0].token_ids) for o in outs]
+        out[name] = {"tok_s": best, "tokens": tokens}
+    print("RESULT " + json.dumps(out))
+"""
+
+
+def vllm_rows(args: argparse.Namespace, batches: list[int], spec: dict[str, Any]) -> list[dict]:
+    """vLLM CPU (fp32 weights from ``--vllm-model``; it cannot run the Q4_1 GGUF) on the same
+    chat prompts (hyloop's rendering, as token ids), with and without ``speculative_config``;
+    tokens/s of whole ``generate`` calls (prefill included), best wave."""
+    from hyloop.api.chat import render_chat
+    from hyloop.recipes.offline import default_checkpoint
+
+    with LLM(model=default_checkpoint(), overrides=["graphs.backend=eager"]) as llm:
+        tok = llm.get_tokenizer()
+        ids = {
+            name: [
+                render_chat("bench", make(i), tok)["prompt_token_ids"]
+                for i in range(max(batches + [args.requests]))
+            ]
+            for name, make in WORKLOADS.items()
+            if name in args.workloads.split(",")
+        }
+    env = {**PEER_ENV, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    env |= {"HF_HUB_OFFLINE": "1"}
+    if preload := vllm_preload(args.vllm_python):
+        env["LD_PRELOAD"] = preload
+    rows = []
+    for batch in batches:
+        got = {}
+        for key in ("off", "on"):
+            child = {"model": args.vllm_model, "batch": batch, "waves": args.waves}
+            child |= {"new_tokens": args.new_tokens, "speculative": spec if key == "on" else None}
+            child["workloads"] = {n: p[: max(batch, args.requests)] for n, p in ids.items()}
+            with tempfile.TemporaryDirectory() as tmp:  # vLLM spawns processes: a guarded file
+                script = Path(tmp) / "vllm_child.py"
+                script.write_text(VLLM_CHILD)
+                proc = subprocess.run(
+                    [args.vllm_python, str(script), json.dumps(child)],
+                    capture_output=True,
+                    text=True,
+                    env=env,
+                )
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            if proc.returncode or not lines:
+                raise SystemExit(f"vLLM exit {proc.returncode}: {proc.stderr.strip()[-600:]}")
+            got[key] = json.loads(lines[-1][7:])
+        for name in ids:
+            off, on = got["off"][name], got["on"][name]
+            rows.append(
+                {
+                    "engine": "vllm-cpu",
+                    "workload": name,
+                    "batch": batch,
+                    "off_tok_s": off["tok_s"],
+                    "on_tok_s": on["tok_s"],
+                    "ratio": on["tok_s"] / off["tok_s"],
+                    "same_tokens": on["tokens"] == off["tokens"],
+                }
+            )
+            r = rows[-1]
+            print(
+                f"  vLLM {name} b{batch}: {r['off_tok_s']:.1f} -> {r['on_tok_s']:.1f} tok/s "
+                f"({r['ratio']:.2f}x, same tokens {r['same_tokens']})",
+                file=sys.stderr,
+            )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--modes", default="q4_1,fp32")
@@ -170,6 +268,9 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--lookup-max", type=int, default=4)
     parser.add_argument("--lookup-min", type=int, default=2)
+    parser.add_argument("--vllm-python", help="an interpreter whose environment has vllm-cpu")
+    parser.add_argument("--vllm-model", help="HF directory of the weights, for vLLM")
+    parser.add_argument("--skip-hyloop", action="store_true", help="the vLLM rows alone")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     batches = parse_batches(parser, args.batches)
@@ -182,10 +283,12 @@ def main() -> None:
     machine = machine_record()
     print(f"CPU: {machine['cpu_model']}, {machine['cpus']} cpus, torch {machine['torch']}")
     rows = []
-    for mode in args.modes.split(","):
+    for mode in args.modes.split(",") if not args.skip_hyloop else []:
         for backend in args.backends.split(","):
             for batch in batches:
                 rows += run_cell(mode, backend, batch, args)
+    spec = speculative_config(args)
+    peer = vllm_rows(args, batches, spec) if args.vllm_python and args.vllm_model else []
     print(f"\nSmolLM2-135M-Instruct, greedy, up to {args.new_tokens} new tokens, k={args.k}")
     print(
         "| workload | weights | backend | batch | off tok/s | on tok/s | on / off | accepted "
@@ -198,7 +301,17 @@ def main() -> None:
             f"{r['off_tok_s']:.1f} | {r['on_tok_s']:.1f} | {r['ratio']:.2f} | "
             f"{r['acceptance']:.2f} | {r['tokens_per_step']:.2f} | {r['same_tokens']} |"
         )
-    write_json({"bench": "speculative", "args": vars(args), "rows": rows}, args.json)
+    if peer:
+        print("\nvLLM CPU, fp32 weights, whole generate calls (prefill included)")
+        print("| workload | batch | off tok/s | on tok/s | on / off | same tokens |")
+        print("|---|---:|---:|---:|---:|---|")
+        for r in peer:
+            print(
+                f"| {r['workload']} | {r['batch']} | {r['off_tok_s']:.1f} | {r['on_tok_s']:.1f} "
+                f"| {r['ratio']:.2f} | {r['same_tokens']} |"
+            )
+    report = {"bench": "speculative", "args": vars(args), "rows": rows, "vllm": peer}
+    write_json(report, args.json)
 
 
 if __name__ == "__main__":
