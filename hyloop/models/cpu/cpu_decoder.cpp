@@ -76,6 +76,11 @@ struct Spec {
   bool bf16 = false;  // the model's dtype (else float32)
 };
 
+// Units [front, back) of a phase still to run, one rank's, packed in one word (front high).
+struct alignas(64) Span {
+  std::atomic<uint64_t> units{0};
+};
+
 // Per-call buffers, grown to the largest batch seen.
 struct Workspace {
   int64_t rows = 0, threads = 0;  // capacity: the largest batch and team seen
@@ -85,6 +90,8 @@ struct Workspace {
   // its own buffers, so the norm phases need no barrier (and no rank idles through them).
   std::vector<hyloop::RowsBuffer> own_in, own_mlp;
   std::vector<std::vector<float>> scratch;  // per rank: attention scores and accumulators
+  std::unique_ptr<Span[]> spans;            // per rank: its units of the phase running now
+  int64_t n_spans = 0;
 };
 
 // Where a step's time goes inside the stack, per rank (``stack_phase_times``): the GEMMs, the
@@ -375,6 +382,10 @@ void ensure_workspace(Stack& s, int64_t rows, int64_t threads) {
     ws.own_in.resize(threads);
     ws.own_mlp.resize(threads);
   }
+  if (ws.n_spans < threads) {
+    ws.spans = std::make_unique<Span[]>(threads);
+    ws.n_spans = threads;
+  }
   ws.threads = std::max(ws.threads, threads);
   if (rows <= threads) {
     for (int64_t r = 0; r < threads; ++r) {
@@ -389,21 +400,69 @@ inline std::pair<int64_t, int64_t> share(int64_t n, int r, int t) {
   return {n * r / t, n * (r + 1) / t};
 }
 
-// One GEMM of a phase: this rank's share of the weight's panels, in units of `unit` panels.
-inline std::pair<int64_t, int64_t> gemm_share(const Proj& p, const P::Rows& x, float* out,
-                                              int64_t ld, int64_t unit, int r, int t) {
-  const int64_t units = (p.w.panels + unit - 1) / unit;
-  const auto [u0, u1] = share(units, r, t);
-  const int64_t p0 = u0 * unit, p1 = std::min(p.w.panels, u1 * unit);
+inline uint64_t pack_units(int64_t front, int64_t back) {
+  return (static_cast<uint64_t>(front) << 32) | static_cast<uint64_t>(back);
+}
+
+// fn(u0, u1) over runs of a phase's units [0, n), each unit run once by some rank: rank r takes
+// its own share (``share``) from the front, a few units at a time, then whatever the other ranks
+// have left from their back, one unit at a time. So a rank that runs late (its core taken for a
+// while, a slow wake-up) leaves its last units to the others instead of holding every rank at
+// the barrier. No result depends on which rank runs a unit. Every phase ends at a barrier with
+// every span empty, so a span read before its rank has set it for this phase is empty: nothing
+// to take.
+template <typename Fn>
+void claim_units(Span* spans, int64_t n, int r, int t, Fn&& fn) {
+  const auto [lo, hi] = share(n, r, t);
+  std::atomic<uint64_t>& own = spans[r].units;
+  own.store(pack_units(lo, hi), std::memory_order_release);
+  const int64_t chunk = std::max<int64_t>(1, (hi - lo) / 8);
+  for (uint64_t v = own.load(std::memory_order_acquire);;) {
+    const int64_t f = static_cast<int64_t>(v >> 32), b = static_cast<int64_t>(v & 0xFFFFFFFFu);
+    if (f >= b) break;
+    const int64_t take = std::min(chunk, b - f);
+    if (own.compare_exchange_weak(v, pack_units(f + take, b), std::memory_order_acq_rel)) {
+      fn(f, f + take);
+      v = own.load(std::memory_order_acquire);
+    }
+  }
+  for (int k = 1; k < t; ++k) {
+    std::atomic<uint64_t>& other = spans[(r + k) % t].units;
+    for (uint64_t v = other.load(std::memory_order_acquire);;) {
+      const int64_t f = static_cast<int64_t>(v >> 32), b = static_cast<int64_t>(v & 0xFFFFFFFFu);
+      if (f >= b) break;
+      if (other.compare_exchange_weak(v, pack_units(f, b - 1), std::memory_order_acq_rel)) {
+        fn(b - 1, b);
+        v = other.load(std::memory_order_acquire);
+      }
+    }
+  }
+}
+
+// A GEMM's panels [p0, p1) into `out` (row stride `ld`), the projection's bias added.
+inline void gemm_panels(const Proj& p, const P::Rows& x, float* out, int64_t ld, int64_t p0,
+                        int64_t p1) {
   P::Output o;
   o.f32 = out;
   o.ld = ld;
   o.bias = p.bias_ptr();
   if (p0 < p1) P::gemm(p.w, x, p0, p1, o);
-  return {p0, p1};
 }
 
-// This rank's share of a GEMM's panel bytes, as gemm_share splits them.
+// One GEMM of a phase over the ranks, in units of `unit` panels (``claim_units``); then
+// epilogue(p0, p1) on the panels each run computed.
+template <typename Epilogue>
+void gemm_claimed(Workspace& ws, const Proj& p, const P::Rows& x, float* out, int64_t ld,
+                  int64_t unit, int r, int t, Epilogue&& epilogue) {
+  const int64_t units = (p.w.panels + unit - 1) / unit;
+  claim_units(ws.spans.get(), units, r, t, [&](int64_t u0, int64_t u1) {
+    const int64_t p0 = u0 * unit, p1 = std::min(p.w.panels, u1 * unit);
+    gemm_panels(p, x, out, ld, p0, p1);
+    epilogue(p0, p1);
+  });
+}
+
+// This rank's share of a GEMM's panel bytes, the share it takes first (``claim_units``).
 inline std::pair<const uint8_t*, const uint8_t*> share_bytes(const Proj& p, int64_t unit, int r,
                                                              int t) {
   const int64_t units = (p.w.panels + unit - 1) / unit;
@@ -434,17 +493,18 @@ struct Prefetch {
   }
 };
 
-// A projection back to the hidden size, added to the residual on this rank's columns (the
-// projection's output rounded, then the sum, as the layers' `x + o(...)` rounds them).
+// A projection back to the hidden size, added to the residual on the columns each run computed
+// (the projection's output rounded, then the sum, as the layers' `x + o(...)` rounds them).
 inline void gemm_residual(const Proj& p, const P::Rows& x, Workspace& ws, int64_t B, int64_t H,
                           bool bf, int r, int t) {
-  const auto [p0, p1] = gemm_share(p, x, ws.proj.data(), H, 2, r, t);
-  const int64_t c0 = p0 * P::kCols, c1 = std::min(H, p1 * P::kCols);
-  for (int64_t b = 0; b < B; ++b) {
-    float* res = ws.resid.data() + b * H;
-    const float* y = ws.proj.data() + b * H;
-    for (int64_t c = c0; c < c1; ++c) res[c] = round_to(res[c] + round_to(y[c], bf), bf);
-  }
+  gemm_claimed(ws, p, x, ws.proj.data(), H, 2, r, t, [&](int64_t p0, int64_t p1) {
+    const int64_t c0 = p0 * P::kCols, c1 = std::min(H, p1 * P::kCols);
+    for (int64_t b = 0; b < B; ++b) {
+      float* res = ws.resid.data() + b * H;
+      const float* y = ws.proj.data() + b * H;
+      for (int64_t c = c0; c < c1; ++c) res[c] = round_to(res[c] + round_to(y[c], bf), bf);
+    }
+  });
 }
 
 template <typename T>
@@ -483,7 +543,8 @@ void run_layers(Stack& s, const StepInputs& in, int64_t B, int rank, hyloop::Tea
       sync(kNorm, l.qkv, 2);
     }
     // 2. qkv
-    gemm_share(l.qkv, in_rows.view(), ws.qkv.data(), nqkv, 2, rank, T_);
+    gemm_claimed(ws, l.qkv, in_rows.view(), ws.qkv.data(), nqkv, 2, rank, T_,
+                 [](int64_t, int64_t) {});
     sync(kQkv, l.o, 2);
     // 3. attention, (row, kv head, query heads) tasks; each writes its heads' columns of the o
     // GEMM's rows. Contiguous runs of tasks per rank: a row's kv heads read neighbouring parts
@@ -500,17 +561,18 @@ void run_layers(Stack& s, const StepInputs& in, int64_t B, int rank, hyloop::Tea
     const bool few = B * sp.kv_heads < std::max(4, 2 * T_);
     const int64_t per = few ? heads_per_task(sp, ws.attn_rows) : G;
     const int64_t tasks_per_row = sp.heads / per;
-    const auto [t0, t1] = share(B * tasks_per_row, rank, T_);
     const int64_t run = in.group;
-    for (int64_t t = t0; t < t1; ++t) {  // task t: row b = (t's run) * run + j, unit u
-      const int64_t j = t % run, u = (t / run) % tasks_per_row;
-      const int64_t b = t / (run * tasks_per_row) * run + j, first = u * per;
-      const int64_t h = first / G, g0 = first % G;
-      float* out = ws.act.data() + b * q + first * D;
-      attend<T>(sp, l, in, static_cast<int64_t>(li), b, h, g0, per, ws.qkv.data() + b * nqkv,
-                scratch, out);
-      ws.attn_rows.set_cols(b, first * D, per * D, out);
-    }
+    claim_units(ws.spans.get(), B * tasks_per_row, rank, T_, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {  // task t: row b = (t's run) * run + j, unit u
+        const int64_t j = t % run, u = (t / run) % tasks_per_row;
+        const int64_t b = t / (run * tasks_per_row) * run + j, first = u * per;
+        const int64_t h = first / G, g0 = first % G;
+        float* out = ws.act.data() + b * q + first * D;
+        attend<T>(sp, l, in, static_cast<int64_t>(li), b, h, g0, per, ws.qkv.data() + b * nqkv,
+                  scratch, out);
+        ws.attn_rows.set_cols(b, first * D, per * D, out);
+      }
+    });
     sync(kAttn, l.o, 2);
     // 4. o + residual
     gemm_residual(l.o, ws.attn_rows.view(), ws, B, H, bf, rank, T_);
@@ -529,9 +591,8 @@ void run_layers(Stack& s, const StepInputs& in, int64_t B, int rank, hyloop::Tea
     }
     // 6. gate/up in units of two panel pairs (32 columns: whole groups for a quantized down),
     // then SiLU(gate) * up on this rank's columns -> the down GEMM's rows
-    {
-      const auto [p0, p1] = gemm_share(l.gate_up, mlp_rows.view(), ws.gate_up.data(), 2 * I, 4,
-                                       rank, T_);
+    gemm_claimed(ws, l.gate_up, mlp_rows.view(), ws.gate_up.data(), 2 * I, 4, rank, T_,
+                 [&](int64_t p0, int64_t p1) {
       const int64_t c0 = p0 / 2 * P::kCols, c1 = std::min(I, p1 / 2 * P::kCols);
       for (int64_t b = 0; b < B && c0 < c1; ++b) {
         float* a = ws.act.data() + b * I;
@@ -545,7 +606,7 @@ void run_layers(Stack& s, const StepInputs& in, int64_t B, int rank, hyloop::Tea
         round_all(a + c0, c1 - c0, bf);
         ws.down_rows.set_cols(b, c0, c1 - c0, a + c0);
       }
-    }
+    });
     sync(kGateUp, l.down, 2);
     // 7. down + residual
     gemm_residual(l.down, ws.down_rows.view(), ws, B, H, bf, rank, T_);
