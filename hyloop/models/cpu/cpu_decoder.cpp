@@ -48,14 +48,15 @@ inline float round_to(float v, bool bf16) {
 inline void round_all(float* v, int64_t n, bool bf16) {
   if (!bf16) return;
   int64_t i = 0;
-#if defined(HYLOOP_P512_BF16)
-  for (; i + 16 <= n; i += 16) {
-    const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(v + i));
-    _mm512_storeu_ps(v + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-  }
+#if defined(HYLOOP_P512)
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(v + i, P::round_bf16(_mm512_loadu_ps(v + i)));
 #endif
   for (; i < n; ++i) v[i] = round_to(v[i], true);
 }
+
+#if defined(HYLOOP_P512)
+inline __m512 round_if(__m512 v, bool bf16) { return bf16 ? P::round_bf16(v) : v; }
+#endif
 
 struct Proj {
   at::Tensor data;  // the panels (kept alive here)
@@ -231,7 +232,15 @@ void stack_add_layer(int64_t handle, at::TensorList panels, at::IntArrayRef kind
 void rms_norm(const float* x, const float* weight, int64_t n, double eps, bool bf16, float* out) {
   const float ms = hyloop::attend::sum_squares(x, n) / static_cast<float>(n);
   const float r = 1.0f / std::sqrt(ms + static_cast<float>(eps));
-  for (int64_t i = 0; i < n; ++i) out[i] = round_to(round_to(x[i] * r, bf16) * weight[i], bf16);
+  int64_t i = 0;
+#if defined(HYLOOP_P512)
+  const __m512 rv = _mm512_set1_ps(r);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 a = round_if(_mm512_mul_ps(_mm512_loadu_ps(x + i), rv), bf16);
+    _mm512_storeu_ps(out + i, round_if(_mm512_mul_ps(a, _mm512_loadu_ps(weight + i)), bf16));
+  }
+#endif
+  for (; i < n; ++i) out[i] = round_to(round_to(x[i] * r, bf16) * weight[i], bf16);
 }
 
 // RoPE (rotate half) of one head in place: x * cos + rotate_half(x) * sin on the first
@@ -239,6 +248,21 @@ void rms_norm(const float* x, const float* weight, int64_t n, double eps, bool b
 void rope(float* x, const float* cos, const float* sin, int64_t rot, bool bf16) {
   const int64_t half = rot / 2;
   float tmp[1024];
+#if defined(HYLOOP_P512)
+  if (half % 16 == 0) {
+    const __m512 minus = _mm512_set1_ps(-0.0f);
+    for (int64_t i = 0; i < rot; i += 16) {
+      const __m512 xi = _mm512_loadu_ps(x + i);
+      const __m512 r = i < half ? _mm512_xor_ps(_mm512_loadu_ps(x + i + half), minus)
+                                : _mm512_loadu_ps(x + i - half);
+      const __m512 a = round_if(_mm512_mul_ps(xi, _mm512_loadu_ps(cos + i)), bf16);
+      const __m512 b = round_if(_mm512_mul_ps(r, _mm512_loadu_ps(sin + i)), bf16);
+      _mm512_storeu_ps(tmp + i, round_if(_mm512_add_ps(a, b), bf16));
+    }
+    std::memcpy(x, tmp, rot * sizeof(float));
+    return;
+  }
+#endif
   for (int64_t i = 0; i < rot; ++i) {
     const float r = i < half ? -x[i + half] : x[i - half];
     tmp[i] = round_to(round_to(x[i] * cos[i], bf16) + round_to(r * sin[i], bf16), bf16);
@@ -502,7 +526,14 @@ inline void gemm_residual(const Proj& p, const P::Rows& x, Workspace& ws, int64_
     for (int64_t b = 0; b < B; ++b) {
       float* res = ws.resid.data() + b * H;
       const float* y = ws.proj.data() + b * H;
-      for (int64_t c = c0; c < c1; ++c) res[c] = round_to(res[c] + round_to(y[c], bf), bf);
+      int64_t c = c0;
+#if defined(HYLOOP_P512)
+      for (; c + 16 <= c1; c += 16) {
+        const __m512 o = round_if(_mm512_loadu_ps(y + c), bf);
+        _mm512_storeu_ps(res + c, round_if(_mm512_add_ps(_mm512_loadu_ps(res + c), o), bf));
+      }
+#endif
+      for (; c < c1; ++c) res[c] = round_to(res[c] + round_to(y[c], bf), bf);
     }
   });
 }

@@ -8,6 +8,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <type_traits>
 #include <vector>
 
 namespace hyloop {
@@ -64,9 +65,19 @@ class RowsBuffer {
       case panels::kBF16: {
         const int64_t at = i * panels::round_up(k_, 2) + c0;
         c10::BFloat16* dst = bf16_.data() + at;
-        for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<c10::BFloat16>(src[j]);
+        int64_t j = 0;
+#ifdef HYLOOP_P512
+        if constexpr (std::is_same_v<T, float>) {
+          for (; j + 16 <= n; j += 16) {
+            const __m512i b = panels::bf16_bits(_mm512_loadu_ps(src + j));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), _mm512_cvtepi32_epi16(b));
+            if (!f32_.empty()) _mm512_storeu_si512(f32_.data() + at + j, _mm512_slli_epi32(b, 16));
+          }
+        }
+#endif
+        for (int64_t t = j; t < n; ++t) dst[t] = static_cast<c10::BFloat16>(src[t]);
         if (!f32_.empty()) {
-          for (int64_t j = 0; j < n; ++j) f32_[at + j] = static_cast<float>(dst[j]);
+          for (; j < n; ++j) f32_[at + j] = static_cast<float>(dst[j]);
         }
         break;
       }

@@ -54,6 +54,22 @@
 
 namespace hyloop::panels {
 
+#ifdef HYLOOP_P512
+// 16 float32 values to bfloat16 bits (each in its dword's low half), as c10::BFloat16 rounds
+// them: to nearest even, a NaN as 0x7FC0 (integer arithmetic: no MXCSR mode applies).
+inline __m512i bf16_bits(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16),
+                                                         _mm512_set1_epi32(1)),
+                                        _mm512_set1_epi32(0x7FFF));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+}
+
+// 16 float32 values rounded to bfloat16 and back (``bf16_bits``).
+inline __m512 round_bf16(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16)); }
+#endif
+
 constexpr int64_t kCols = 16;   // output columns per panel (one 512-bit vector of float32)
 constexpr int64_t kGroup = 32;  // quantization group along K
 constexpr int64_t kPrefetch = 64;  // weight rows (k steps) prefetched ahead of the tile
@@ -574,15 +590,9 @@ inline void store_tile(const Weight& w, int64_t p, int64_t m0, int64_t rows,
         c10::BFloat16* o = out.bf16 + (m0 + m) * out.ld + c0;
         int64_t j = 0;
 #ifdef HYLOOP_P512
-        if (cols == kCols) {  // c10's rounding (to nearest even, a NaN as 0x7FC0), 16 at once
-          const __m512i u = _mm512_castps_si512(_mm512_loadu_ps(v));
-          const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16),
-                                                                 _mm512_set1_epi32(1)),
-                                                _mm512_set1_epi32(0x7FFF));
-          __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
-          const __mmask16 nan = _mm512_cmp_ps_mask(_mm512_loadu_ps(v), _mm512_loadu_ps(v), _CMP_UNORD_Q);
-          r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(r));
+        if (cols == kCols) {  // c10's rounding, 16 at once
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o),
+                              _mm512_cvtepi32_epi16(bf16_bits(_mm512_loadu_ps(v))));
           j = kCols;
         }
 #endif
