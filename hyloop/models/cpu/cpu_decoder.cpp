@@ -428,6 +428,19 @@ inline uint64_t pack_units(int64_t front, int64_t back) {
   return (static_cast<uint64_t>(front) << 32) | static_cast<uint64_t>(back);
 }
 
+// Units taken from a span: up to `chunk` from its front, or one from its back; empty when the
+// span is.
+inline std::pair<int64_t, int64_t> take_units(std::atomic<uint64_t>& span, bool front,
+                                              int64_t chunk) {
+  for (uint64_t v = span.load(std::memory_order_acquire);;) {
+    const int64_t f = static_cast<int64_t>(v >> 32), b = static_cast<int64_t>(v & 0xFFFFFFFFu);
+    if (f >= b) return {0, 0};
+    const int64_t u0 = front ? f : b - 1, u1 = front ? f + std::min(chunk, b - f) : b;
+    const uint64_t left = front ? pack_units(u1, b) : pack_units(f, u0);
+    if (span.compare_exchange_weak(v, left, std::memory_order_acq_rel)) return {u0, u1};
+  }
+}
+
 // fn(u0, u1) over runs of a phase's units [0, n), each unit run once by some rank: rank r takes
 // its own share (``share``) from the front, a few units at a time, then whatever the other ranks
 // have left from their back, one unit at a time. So a rank that runs late (its core taken for a
@@ -438,27 +451,14 @@ inline uint64_t pack_units(int64_t front, int64_t back) {
 template <typename Fn>
 void claim_units(Span* spans, int64_t n, int r, int t, Fn&& fn) {
   const auto [lo, hi] = share(n, r, t);
-  std::atomic<uint64_t>& own = spans[r].units;
-  own.store(pack_units(lo, hi), std::memory_order_release);
+  spans[r].units.store(pack_units(lo, hi), std::memory_order_release);
   const int64_t chunk = std::max<int64_t>(1, (hi - lo) / 8);
-  for (uint64_t v = own.load(std::memory_order_acquire);;) {
-    const int64_t f = static_cast<int64_t>(v >> 32), b = static_cast<int64_t>(v & 0xFFFFFFFFu);
-    if (f >= b) break;
-    const int64_t take = std::min(chunk, b - f);
-    if (own.compare_exchange_weak(v, pack_units(f + take, b), std::memory_order_acq_rel)) {
-      fn(f, f + take);
-      v = own.load(std::memory_order_acquire);
-    }
-  }
-  for (int k = 1; k < t; ++k) {
-    std::atomic<uint64_t>& other = spans[(r + k) % t].units;
-    for (uint64_t v = other.load(std::memory_order_acquire);;) {
-      const int64_t f = static_cast<int64_t>(v >> 32), b = static_cast<int64_t>(v & 0xFFFFFFFFu);
-      if (f >= b) break;
-      if (other.compare_exchange_weak(v, pack_units(f, b - 1), std::memory_order_acq_rel)) {
-        fn(b - 1, b);
-        v = other.load(std::memory_order_acquire);
-      }
+  for (int k = 0; k < t; ++k) {  // its own first, from the front; then the others', from the back
+    std::atomic<uint64_t>& span = spans[(r + k) % t].units;
+    for (;;) {
+      const auto [u0, u1] = take_units(span, k == 0, chunk);
+      if (u0 >= u1) break;
+      fn(u0, u1);
     }
   }
 }
