@@ -142,6 +142,11 @@ class StepBatch:
         """Index (within T) of each row's last real token; 0 for padding rows."""
         return (self.extend_lens - 1).clamp_min(0)
 
+    def live_positions(self) -> torch.Tensor:
+        """``[B, T]`` bool: whether each position is one of its row's real new tokens."""
+        t = torch.arange(self.input_ids.shape[1], device=self.input_ids.device)
+        return t < self.extend_lens.view(-1, 1)
+
     def rows(self, start: int, stop: int) -> StepBatch:
         """Rows ``[start, stop)`` as views (a piece of a batch split across buckets)."""
         sliced: dict[str, Any] = {f.name: getattr(self, f.name)[start:stop] for f in row_fields()}

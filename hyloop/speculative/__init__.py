@@ -11,15 +11,15 @@ seeded sampled requests alike.
 ``NgramDrafter`` proposes a request's drafts from its own history: the tokens that followed
 the latest earlier occurrence of its trailing n-gram (longest first, ``prompt_lookup_max`` down
 to ``prompt_lookup_min``), from an index updated as tokens arrive. ``Speculator`` is the
-engine's policy, a cost model measured as it runs: a verify step of ``D`` drafts per row costs
-``D`` more positions for every row of the batch (its rows are padded to the longest), each
-worth ``r`` tokens of a plain step (``r``: the measured cost of a position over the measured
-time per token of a plain step of that batch size); row ``i``'s ``j``-th draft is kept with
-probability ``a_i ** j`` (``a_i``: its recent acceptance; while the policy declines its
-matches, it drifts back to a prior, as a position's measured cost does with each plain step, so
-drafting that stopped is tried again). Each step takes the ``D`` whose
-expected tokens gained, less ``r * B * D``, is largest, none when no ``D`` gains: drafts that
-rarely match, or a step whose cost grows too fast with its rows, leave the plain step; under
+engine's policy, a cost model measured as it runs: each draft a verify step checks is a
+position of its own (the step's rows are padded to the longest, but the decoder stack and the
+head compute no padding), worth ``r`` tokens of a plain step (``r``: the measured cost of a
+position over the measured time per token of a plain step of that batch size); row ``i``'s
+``j``-th draft is kept with probability ``a_i ** j`` (``a_i``: its recent acceptance; while the
+policy declines its matches, it drifts back to a prior, as a position's measured cost does with
+each plain step, so drafting that stopped is tried again). Each row verifies the drafts whose
+chance of being kept beats ``r``, none when none does: drafts that rarely match, or positions
+that cost too much, leave the plain step; under
 lookahead, the steps after one that found no draft worth it are planned ahead without drafts,
 a stretch that doubles (up to 64 steps) while drafting keeps not paying. Drafts
 stay within the request's output budget, so the KV a verify step writes lies in pages the

@@ -110,9 +110,9 @@ class Speculator:
             return
         self.since_plain[rows] = self.since_plain.get(rows, 0) + 1
         plain = self.plain.get(rows)
-        extra = max(len(c.drafts) for c in batch.chunks)
+        extra = sum(len(c.drafts) for c in batch.chunks)
         if plain is not None and extra:
-            cost = max(0.0, seconds - plain) / (rows * extra)
+            cost = max(0.0, seconds - plain) / extra
             self.position[rows] = _average(self.position.get(rows), cost)
 
     def skips(self) -> bool:
@@ -147,25 +147,23 @@ class Speculator:
             else self.propose(c.req)
             for c in chunks
         ]
-        rates = [self.state(c.req).rate for c in chunks]
-        cost = self.ratio(len(chunks)) * len(chunks)
-        best, best_gain, gain = 0, 0.0, 0.0
-        for d in range(1, max(map(len, proposals), default=0) + 1):
-            gain += sum(a**d for a, p in zip(rates, proposals, strict=True) if len(p) >= d)
-            if gain - cost * d > best_gain or not adaptive:
-                best, best_gain = d, gain - cost * d
+        cost = self.ratio(len(chunks))
+        drafted = 0
         for c, p in zip(chunks, proposals, strict=True):
-            c.drafts = p[:best]
+            state = self.state(c.req)
+            # its j-th draft is kept with chance rate ** j: worth a position while that beats
+            # what a position costs
+            keep = len(p) if not adaptive else _worth(state.rate, cost, len(p))
+            c.drafts = p[:keep]
             c.length = 1 + len(c.drafts)
+            drafted += len(c.drafts)
             if p and not c.drafts:  # not tried: its acceptance drifts back to the prior
-                state = self.state(c.req)
                 state.kept = RELAX * state.kept + (1 - RELAX) * PRIOR[0]
                 state.verified = RELAX * state.verified + (1 - RELAX) * PRIOR[1]
-        if best:
+        if drafted:
             self.quiet, self.quiet_next = 0, QUIET
         else:
             self.quiet, self.quiet_next = self.quiet_next, min(2 * self.quiet_next, QUIET_MAX)
-        if best == 0:
             return False
         self.verify_steps += 1
         return True
@@ -204,6 +202,15 @@ class Speculator:
             "spec_acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
             "tokens_per_decode_step": decode_tokens / decode_steps if decode_steps else 0.0,
         }
+
+
+def _worth(rate: float, cost: float, most: int) -> int:
+    """How many of a row's ``most`` drafts to verify: those whose chance of being kept
+    (``rate ** j`` for the j-th) beats ``cost``."""
+    n, chance = 0, 1.0
+    while n < most and (chance := chance * rate) > cost:
+        n += 1
+    return n
 
 
 def _average(old: float | None, new: float) -> float:

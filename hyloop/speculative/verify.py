@@ -23,7 +23,8 @@ def verify(model: nn.Module, sample: Sample, hidden: torch.Tensor, batch: StepBa
     Position ``j`` samples at output position ``out_pos + j`` with ``keeps`` the positions kept
     so far, so a feature's ``after_sample`` counts exactly the tokens decoding would have."""
     b, t = hidden.shape[:2]
-    logits = model.compute_logits(hidden.reshape(b * t, -1)).view(b, t, -1)
+    live = batch.live_positions()  # the padding past a row's drafts: no logits computed
+    logits = model.compute_logits(hidden.reshape(b * t, -1), live.view(-1)).view(b, t, -1)
     drafts = batch.input_ids[:, 1:]
     keep = batch.extend_lens > 0
     ids, kept = [], []

@@ -54,5 +54,17 @@ class DecoderLM(nn.Module):
             x = layer(x, batch)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(hidden)).float()
+    def compute_logits(
+        self, hidden: torch.Tensor, live: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``live`` (bool ``[N]``): rows whose logits are wanted (a verify step's real
+        positions); a head that can skip rows leaves the others' zeros."""
+        return head_rows(self.lm_head, self.model.norm(hidden), live).float()
+
+
+def head_rows(head: nn.Module, x: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
+    """``head(x)``, the rows ``live`` leaves out not computed where the head can skip them
+    (``skips_rows``: hyloop's panels)."""
+    if live is not None and getattr(head, "skips_rows", False):
+        return head(x, live=live)
+    return head(x)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyloop.graphs.step_batch import StepBatch
-from hyloop.models.arch.base import DecoderLM
+from hyloop.models.arch.base import DecoderLM, head_rows
 from hyloop.models.contract import contract_of
 from hyloop.models.layers.norm import RMSNorm
 from hyloop.models.layers.qkv_attention import QKVAttention
@@ -193,8 +193,10 @@ class Gemma3CausalLM(DecoderLM):
             x = layer(x, batch)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(self.model.norm(hidden)).float()
+    def compute_logits(
+        self, hidden: torch.Tensor, live: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        logits = head_rows(self.lm_head, self.model.norm(hidden), live).float()
         cap = self.spec.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -645,10 +645,12 @@ void run_layers(Stack& s, const StepInputs& in, int64_t B, int rank, hyloop::Tea
   }
 }
 
-at::Tensor decode_layers(const at::Tensor& x, int64_t handle, at::TensorList k_bufs,
-                         at::TensorList v_bufs, const at::Tensor& loc, const at::Tensor& slots,
-                         const at::Tensor& bias, const at::Tensor& cos, const at::Tensor& sin,
-                         int64_t group) {
+// The stack over x's rows (runs of `group` rows ordered together; `shared`: rows read each
+// other's new K/V).
+at::Tensor stack_rows(const at::Tensor& x, int64_t handle, at::TensorList k_bufs,
+                      at::TensorList v_bufs, const at::Tensor& loc, const at::Tensor& slots,
+                      const at::Tensor& bias, const at::Tensor& cos, const at::Tensor& sin,
+                      int64_t group, bool shared) {
   const auto s = find(handle);
   const Spec& sp = s->spec;
   const int64_t H = sp.hidden, D = sp.head_dim;
@@ -708,7 +710,7 @@ at::Tensor decode_layers(const at::Tensor& x, int64_t handle, at::TensorList k_b
   TORCH_CHECK(group >= 1 && B % group == 0, "decode_layers: ", B, " rows are not runs of ",
               group);
   in.group = group;
-  in.shared = group > 1;
+  in.shared = shared;
 
   std::lock_guard<std::mutex> guard(s->use);
   const int threads = hyloop::team_size();
@@ -733,6 +735,30 @@ at::Tensor decode_layers(const at::Tensor& x, int64_t handle, at::TensorList k_b
   } else {
     std::memcpy(out.mutable_data_ptr<float>(), s->ws.resid.data(), B * H * sizeof(float));
   }
+  return out;
+}
+
+// Every layer for the rows of x (runs of `group` rows of one request each, a verify step's
+// positions, which read each other's new K/V). With `live` (bool, a row each), only the live
+// rows are computed (a verify step's padding positions are not: no K/V written, zeros out):
+// a row's bits do not depend on the rows beside it, so the live rows are what they would be
+// with the padding computed.
+at::Tensor decode_layers(const at::Tensor& x, int64_t handle, at::TensorList k_bufs,
+                         at::TensorList v_bufs, const at::Tensor& loc, const at::Tensor& slots,
+                         const at::Tensor& bias, const at::Tensor& cos, const at::Tensor& sin,
+                         int64_t group, const std::optional<at::Tensor>& live) {
+  if (!live.has_value() || !live->defined())
+    return stack_rows(x, handle, k_bufs, v_bufs, loc, slots, bias, cos, sin, group, group > 1);
+  const int64_t H = x.size(-1), B = x.numel() / H;
+  TORCH_CHECK(live->scalar_type() == at::kBool && live->numel() == B,
+              "decode_layers: live bool [B]");
+  const at::Tensor rows = live->reshape({B}).nonzero().reshape({-1});
+  at::Tensor out = at::zeros(x.sizes(), x.options());
+  if (rows.numel() == 0) return out;
+  const auto pick = [&](const at::Tensor& t) { return t.reshape({B, -1}).index_select(0, rows); };
+  const at::Tensor part = stack_rows(pick(x), handle, k_bufs, v_bufs, pick(loc).reshape({-1}),
+                                     pick(slots), pick(bias), pick(cos), pick(sin), 1, group > 1);
+  out.view({B, H}).index_copy_(0, rows, part);
   return out;
 }
 
@@ -767,7 +793,8 @@ TORCH_LIBRARY_FRAGMENT(hyloop, m) {
   m.def("stack_phase_times(int handle, bool enable) -> Tensor", &stack_phase_times);
   m.def(
       "decode_layers(Tensor x, int handle, Tensor(a!)[] k_bufs, Tensor(b!)[] v_bufs, Tensor loc, "
-      "Tensor slots, Tensor bias, Tensor cos, Tensor sin, int group=1) -> Tensor");
+      "Tensor slots, Tensor bias, Tensor cos, Tensor sin, int group=1, Tensor? live=None) -> "
+      "Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hyloop, CPU, m) { m.impl("decode_layers", &decode_layers); }

@@ -15,17 +15,18 @@
   uint8, scale, mins [N, K / 32] fp32, split, half)``, ``pack_panels_i8(codes [N, K] int8,
   scale [N, K / 32] fp32, split)`` -> uint8 panels (``cpu_panels.cpp``, layouts in
   ``panels.h``; large ones on huge pages), and ``hyloop::panel_linear(x [.., K], panels, kind,
-  n, k, split, half, bias?) -> [.., N]`` in ``x``'s dtype: the ``tiled`` kernel of every
+  n, k, split, half, bias?, live?) -> [.., N]`` in ``x``'s dtype (``live``: only those rows,
+  the others zeros): the ``tiled`` kernel of every
   ``PackedLinear`` and weight-only Linear (``panels.Panels``); ``hyloop::set_bf16_dot(fma)``
   and ``hyloop::bf16_dot_times()``: which of two ways bfloat16 panels run (the same bits) and
   what each takes here (``kernel_choice.bf16_dot``); ``hyloop::set_amx(on)``: integer GEMMs of
   12 rows or more on AMX tiles where the CPU has them (``panels_amx.h``, the same bits);
 - ``hyloop::decode_layers(x [B, H], handle, k_bufs!, v_bufs!, loc [B], slots [B, L],
-  bias [B, L], cos, sin [B, rot], group=1) -> [B, H]`` (``cpu_decoder.cpp``): every
-  decoder layer of a dense model for one new token per row, registered once with
+  bias [B, L], cos, sin [B, rot], group=1, live=None) -> [B, H]`` (``cpu_decoder.cpp``):
+  every decoder layer of a dense model for one new token per row, registered once with
   ``stack_create`` / ``stack_add_layer`` (``decoder_stack.DecoderStack``), writing each layer's
   K/V at ``loc`` (``group > 1``: runs of rows of one request that read each other's, a verify
-  step's positions);
+  step's positions; ``live`` bool [B]: only those rows computed, the others zeros);
   ``stack_phase_times(handle, enable) -> [ranks, 7]`` float64 seconds per phase since the last
   call (``decoder_stack.PHASES``), and whether the steps that follow keep the clocks.
 
@@ -115,6 +116,7 @@ def _panel_linear_fake(
     split: int,
     half: bool,
     bias: torch.Tensor | None,
+    live: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], n))
 
@@ -130,6 +132,7 @@ def _decode_layers_fake(
     cos: torch.Tensor,
     sin: torch.Tensor,
     group: int = 1,
+    live: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 

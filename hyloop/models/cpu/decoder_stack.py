@@ -152,12 +152,15 @@ class DecoderStack:
         cos = self.rotary.cos[positions].float()  # (the tables follow the model's dtype)
         sin = self.rotary.sin[positions].float()
         length = meta.slots.numel() // b
+        live = None
         if t == 1:
             slots, bias = meta.slots.view(b, -1), meta.mask.view(b, -1)
         else:  # each position a row over its request's columns, those up to it visible
             slots = meta.slots.view(b, 1, length).expand(b, t, length).reshape(n, length)
             zero = torch.zeros((), dtype=torch.float32, device=x.device)
             bias = torch.where(meta.mask.view(n, length), zero, float("-inf"))
+            # a row's positions past its drafts pad the step: not computed (zeros)
+            live = batch.live_positions().reshape(n)
         out = torch.ops.hyloop.decode_layers(
             x.reshape(n, self.hidden),
             self.handle,
@@ -169,6 +172,7 @@ class DecoderStack:
             cos,
             sin,
             t,
+            live,
         )
         return out.view(b, t, self.hidden)
 

@@ -81,12 +81,17 @@ class WeightOnlyLinear(nn.Module, ABC):
         """``panels`` (hyloop's kernel) or ``reference`` (torch ops): the same numbers."""
         return "panels" if self.panels is not None else "reference"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def skips_rows(self) -> bool:
+        """Whether ``forward``'s ``live`` leaves rows out (on the panels)."""
+        return self.panels is not None
+
+    def forward(self, x: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         p = self.panels
         if p is not None:
             out = torch.ops.hyloop.panel_linear(
-                x2, self.panel_data, p.kind, p.n, p.k, p.split, p.half, self.bias
+                x2, self.panel_data, p.kind, p.n, p.k, p.split, p.half, self.bias, live
             )
         else:
             out = self.reference(x2)

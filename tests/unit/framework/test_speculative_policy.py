@@ -101,16 +101,22 @@ def test_lookahead_drains_less_often_while_drafting_keeps_not_paying() -> None:
     assert spec.draft(decode([hit]), []) and spec.quiet == 0 and spec.quiet_next == QUIET
 
 
-def test_a_costly_position_keeps_fewer_drafts_and_padding_counts_for_every_row() -> None:
+def test_each_row_keeps_the_drafts_that_beat_a_positions_cost_and_padding_costs_nothing() -> None:
     spec = speculator()
     hit = request([1, 2, 3, 4, 5, 6, 1, 2], [], max_new=50)
     miss = request([9, 8, 7, 6], [], max_new=50)  # no earlier match: no drafts
     spec.plain[2], spec.position[2], spec.since_plain[2] = 0.010, 0.001, 0
-    # a position costs 0.001 / (0.010 / 2) = 0.2 tokens a row, paid by both rows: 0.4 a draft
+    # a position costs 0.001 / (0.010 / 2) = 0.2 tokens; the row without drafts pays nothing
     chunks = decode([hit, miss])
     assert spec.draft(chunks, [])
-    assert [len(c.drafts) for c in chunks] == [1, 0]  # 0.6 ** 2 = 0.36 < 0.4: one draft
-    assert [c.length for c in chunks] == [2, 1]
+    assert [len(c.drafts) for c in chunks] == [3, 0]  # 0.6 ** 3 = 0.216 > 0.2 > 0.6 ** 4
+    assert [c.length for c in chunks] == [4, 1]
+    spec.position[2] = 0.002  # 0.4 a position: 0.6 > 0.4 > 0.36, one draft
+    chunks = decode([hit, miss])
+    assert spec.draft(chunks, []) and [len(c.drafts) for c in chunks] == [1, 0]
+    # a verify step's measured cost is per draft it checked, not per row of the padded step
+    spec.timed(Batch(chunks, is_decode=True, verify=True), 0.013)
+    assert spec.position[2] == pytest.approx(0.7 * 0.002 + 0.3 * 0.003)
     spec.since_plain[2] = REMEASURE  # contexts grew: a plain step measures again
     assert not spec.draft(decode([hit, miss]), [])
 

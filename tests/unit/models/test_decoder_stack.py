@@ -307,3 +307,56 @@ def test_a_row_alone_is_the_row_in_a_batch(dtype: torch.dtype, weights: str) -> 
         for i in range(len(kv.k)):
             assert torch.equal(alone.k[i][loc.view(-1)], batched.k[i][loc.view(-1)])
             assert torch.equal(alone.v[i][loc.view(-1)], batched.v[i][loc.view(-1)])
+
+
+@pytest.mark.parametrize(
+    ("dtype", "weights"), [(torch.float32, "dequantize"), (torch.float32, "int8")]
+)
+def test_a_verify_steps_padding_is_not_computed_and_its_rows_are_unchanged(
+    dtype: torch.dtype, weights: str
+) -> None:
+    """A verify step's rows are padded to the longest (here 3 positions for 3, 1 and 2 real
+    ones): the stack computes the real positions alone, bit for bit what they are with every
+    position real (their logits too); the padding's hidden states are zeros and its K/V are
+    not written."""
+    model = tiny("llama", dtype, weights)
+    kv, table = pools(model, dtype)
+    prefill(model, kv, table)
+    stack = NativePath(DecoderStack(model))
+    b, t = len(LENS), 3
+    pos = torch.tensor(LENS).view(b, 1) + torch.arange(t)
+    loc = table.table[torch.arange(b).view(b, 1), pos].long()
+    ids = torch.randint(3, 200, (b, t), generator=torch.Generator().manual_seed(2))
+
+    def verify(extend: list[int]) -> tuple[torch.Tensor, torch.Tensor, KVPool]:
+        pool = _copy(kv, dtype)
+        batch = make_batch(
+            input_ids=ids,
+            positions=pos,
+            out_cache_loc=loc,
+            req_rows=torch.arange(b),
+            prefix_lens=torch.tensor(LENS),
+            extend_lens=torch.tensor(extend),
+            req_to_token=table.table,
+            kv_len=max(LENS) + t,
+            kv=pool,
+            compute=stack,
+        )
+        batch.verify = True
+        with torch.no_grad():
+            hidden = model(batch)
+            live = batch.live_positions()
+            logits = model.compute_logits(hidden.reshape(b * t, -1), live.view(-1))
+        return hidden, logits.view(b, t, -1), pool
+
+    full_h, full_logits, full_kv = verify([t] * b)
+    h, logits, padded_kv = verify([3, 1, 2])
+    live = torch.arange(t) < torch.tensor([3, 1, 2]).view(b, 1)
+    assert torch.equal(h[live], full_h[live])
+    assert torch.equal(logits[live], full_logits[live])
+    assert not h[~live].any()
+    for i in range(len(kv.k)):
+        assert torch.equal(padded_kv.k[i][loc[live]], full_kv.k[i][loc[live]])
+        assert torch.equal(padded_kv.k[i][loc[~live]], kv.k[i][loc[~live]])  # not written
+        assert torch.equal(padded_kv.v[i][loc[~live]], kv.v[i][loc[~live]])
+        assert not torch.equal(full_kv.k[i][loc[~live]], kv.k[i][loc[~live]])

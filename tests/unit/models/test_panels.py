@@ -232,6 +232,26 @@ def test_panels_replace_the_reference_copy_of_the_weight() -> None:
         assert layer.panels is first  # once
 
 
+def test_live_rows_alone_are_computed_with_their_bits() -> None:
+    """``live`` (a verify step's real positions): those rows computed, bit for bit what they are
+    with every row computed, the others zeros; a layer on the reference computes every row."""
+    torch.manual_seed(0)
+    x = torch.randn(7, 128)
+    live = torch.tensor([True, False, True, True, False, False, True])
+    for layer in (
+        Int4Linear(int4_from_dense(torch.randn(64, 128)), torch.randn(64)),
+        Int8Linear(int8_from_dense(torch.randn(64, 128))),
+    ):
+        assert not layer.skips_rows
+        reference = layer(x, live=live)
+        layer.attach_panels()
+        assert layer.skips_rows
+        every, some = layer(x), layer(x, live=live)
+        assert torch.equal(every, reference)
+        assert torch.equal(some[live], every[live])
+        assert not some[~live].any() and every[~live].all()
+
+
 def test_int8_needs_whole_groups() -> None:
     with pytest.raises(ValueError, match="multiple of 32"):
         Int8Linear(int8_from_dense(torch.randn(32, 48)))
