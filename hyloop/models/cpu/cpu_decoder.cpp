@@ -739,20 +739,26 @@ at::Tensor stack_rows(const at::Tensor& x, int64_t handle, at::TensorList k_bufs
 }
 
 // Every layer for the rows of x (runs of `group` rows of one request each, a verify step's
-// positions, which read each other's new K/V). With `live` (bool, a row each), only the live
-// rows are computed (a verify step's padding positions are not: no K/V written, zeros out):
-// a row's bits do not depend on the rows beside it, so the live rows are what they would be
-// with the padding computed.
+// positions, which read each other's new K/V). A row's bits do not depend on the rows beside
+// it, so ``decode_layers_live``'s rows are what they are with the padding computed.
 at::Tensor decode_layers(const at::Tensor& x, int64_t handle, at::TensorList k_bufs,
                          at::TensorList v_bufs, const at::Tensor& loc, const at::Tensor& slots,
                          const at::Tensor& bias, const at::Tensor& cos, const at::Tensor& sin,
-                         int64_t group, const std::optional<at::Tensor>& live) {
-  if (!live.has_value() || !live->defined())
-    return stack_rows(x, handle, k_bufs, v_bufs, loc, slots, bias, cos, sin, group, group > 1);
+                         int64_t group) {
+  return stack_rows(x, handle, k_bufs, v_bufs, loc, slots, bias, cos, sin, group, group > 1);
+}
+
+// ``decode_layers`` with `live` (bool, a row each): only the live rows are computed (a verify
+// step's padding positions are not: no K/V written, zeros out).
+at::Tensor decode_layers_live(const at::Tensor& x, int64_t handle, at::TensorList k_bufs,
+                              at::TensorList v_bufs, const at::Tensor& loc,
+                              const at::Tensor& slots, const at::Tensor& bias,
+                              const at::Tensor& cos, const at::Tensor& sin, int64_t group,
+                              const at::Tensor& live) {
   const int64_t H = x.size(-1), B = x.numel() / H;
-  TORCH_CHECK(live->scalar_type() == at::kBool && live->numel() == B,
-              "decode_layers: live bool [B]");
-  const at::Tensor rows = live->reshape({B}).nonzero().reshape({-1});
+  TORCH_CHECK(live.scalar_type() == at::kBool && live.numel() == B,
+              "decode_layers_live: live bool [B]");
+  const at::Tensor rows = live.reshape({B}).nonzero().reshape({-1});
   at::Tensor out = at::zeros(x.sizes(), x.options());
   if (rows.numel() == 0) return out;
   const auto pick = [&](const at::Tensor& t) { return t.reshape({B, -1}).index_select(0, rows); };
@@ -793,8 +799,14 @@ TORCH_LIBRARY_FRAGMENT(hyloop, m) {
   m.def("stack_phase_times(int handle, bool enable) -> Tensor", &stack_phase_times);
   m.def(
       "decode_layers(Tensor x, int handle, Tensor(a!)[] k_bufs, Tensor(b!)[] v_bufs, Tensor loc, "
-      "Tensor slots, Tensor bias, Tensor cos, Tensor sin, int group=1, Tensor? live=None) -> "
+      "Tensor slots, Tensor bias, Tensor cos, Tensor sin, int group=1) -> Tensor");
+  m.def(
+      "decode_layers_live(Tensor x, int handle, Tensor(a!)[] k_bufs, Tensor(b!)[] v_bufs, "
+      "Tensor loc, Tensor slots, Tensor bias, Tensor cos, Tensor sin, int group, Tensor live) -> "
       "Tensor");
 }
 
-TORCH_LIBRARY_IMPL(hyloop, CPU, m) { m.impl("decode_layers", &decode_layers); }
+TORCH_LIBRARY_IMPL(hyloop, CPU, m) {
+  m.impl("decode_layers", &decode_layers);
+  m.impl("decode_layers_live", &decode_layers_live);
+}

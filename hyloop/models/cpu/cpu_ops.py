@@ -15,18 +15,19 @@
   uint8, scale, mins [N, K / 32] fp32, split, half)``, ``pack_panels_i8(codes [N, K] int8,
   scale [N, K / 32] fp32, split)`` -> uint8 panels (``cpu_panels.cpp``, layouts in
   ``panels.h``; large ones on huge pages), and ``hyloop::panel_linear(x [.., K], panels, kind,
-  n, k, split, half, bias?, live?) -> [.., N]`` in ``x``'s dtype (``live``: only those rows,
-  the others zeros): the ``tiled`` kernel of every
+  n, k, split, half, bias?) -> [.., N]`` in ``x``'s dtype (``panel_linear_live``, with a bool
+  ``live`` a row after them: only those rows, the others zeros): the ``tiled`` kernel of every
   ``PackedLinear`` and weight-only Linear (``panels.Panels``); ``hyloop::set_bf16_dot(fma)``
   and ``hyloop::bf16_dot_times()``: which of two ways bfloat16 panels run (the same bits) and
   what each takes here (``kernel_choice.bf16_dot``); ``hyloop::set_amx(on)``: integer GEMMs of
   12 rows or more on AMX tiles where the CPU has them (``panels_amx.h``, the same bits);
 - ``hyloop::decode_layers(x [B, H], handle, k_bufs!, v_bufs!, loc [B], slots [B, L],
-  bias [B, L], cos, sin [B, rot], group=1, live=None) -> [B, H]`` (``cpu_decoder.cpp``):
+  bias [B, L], cos, sin [B, rot], group=1) -> [B, H]`` (``cpu_decoder.cpp``):
   every decoder layer of a dense model for one new token per row, registered once with
   ``stack_create`` / ``stack_add_layer`` (``decoder_stack.DecoderStack``), writing each layer's
   K/V at ``loc`` (``group > 1``: runs of rows of one request that read each other's, a verify
-  step's positions; ``live`` bool [B]: only those rows computed, the others zeros);
+  step's positions; ``decode_layers_live``, with a bool ``live [B]`` after ``group``: only those
+  rows computed, the others zeros);
   ``stack_phase_times(handle, enable) -> [ranks, 7]`` float64 seconds per phase since the last
   call (``decoder_stack.PHASES``), and whether the steps that follow keep the clocks.
 
@@ -118,7 +119,7 @@ def _panel_linear_fake(
     bias: torch.Tensor | None,
     live: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], n))
+    return x.new_empty((*x.shape[:-1], n))  # panel_linear, and panel_linear_live (``live``)
 
 
 def _decode_layers_fake(
@@ -134,6 +135,7 @@ def _decode_layers_fake(
     group: int = 1,
     live: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    # decode_layers, and decode_layers_live (``live``)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
@@ -264,7 +266,9 @@ def _load(build: bool) -> bool:
         torch.library.register_fake("hyloop::topk_rows", _topk_rows_fake)
         torch.library.register_fake("hyloop::argmax_rows", _argmax_rows_fake)
         torch.library.register_fake("hyloop::panel_linear", _panel_linear_fake)
+        torch.library.register_fake("hyloop::panel_linear_live", _panel_linear_fake)
         torch.library.register_fake("hyloop::decode_layers", _decode_layers_fake)
+        torch.library.register_fake("hyloop::decode_layers_live", _decode_layers_fake)
     except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", None) or str(e)
         log.warning(

@@ -101,7 +101,7 @@ at::Tensor pack_panels_i8(const at::Tensor& codes, const at::Tensor& scale, int6
 }
 
 // y = x @ W.T (+ bias) over the panels, in x's dtype. Panel pairs are split over the team.
-at::Tensor panel_rows(const at::Tensor& x, const at::Tensor& panels, int64_t kind, int64_t n,
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t kind, int64_t n,
                       int64_t k, int64_t split, bool half, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(kind >= P::kF32 && kind <= P::kI8, "panel_linear: kind ", kind);
   TORCH_CHECK(x.size(-1) == k, "panel_linear: x has ", x.size(-1), " columns, the weight ", k);
@@ -142,23 +142,21 @@ at::Tensor panel_rows(const at::Tensor& x, const at::Tensor& panels, int64_t kin
   return out.view(shape);
 }
 
-// ``panel_rows``; with `live` (bool, one per row of x), only the live rows are computed and
+// ``panel_linear`` with `live` (bool, one per row of x): only the live rows are computed and
 // the others are zeros (a verify step's padding positions): a row's bits do not depend on the
 // rows beside it.
-at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t kind, int64_t n,
-                        int64_t k, int64_t split, bool half, const std::optional<at::Tensor>& bias,
-                        const std::optional<at::Tensor>& live) {
-  if (!live.has_value() || !live->defined())
-    return panel_rows(x, panels, kind, n, k, split, half, bias);
+at::Tensor panel_linear_live(const at::Tensor& x, const at::Tensor& panels, int64_t kind,
+                             int64_t n, int64_t k, int64_t split, bool half,
+                             const std::optional<at::Tensor>& bias, const at::Tensor& live) {
   const at::Tensor x2 = x.reshape({-1, k});
   const int64_t m = x2.size(0);
-  TORCH_CHECK(live->scalar_type() == at::kBool && live->numel() == m,
-              "panel_linear: live bool, one per row");
-  const at::Tensor rows = live->reshape({m}).nonzero().reshape({-1});
+  TORCH_CHECK(live.scalar_type() == at::kBool && live.numel() == m,
+              "panel_linear_live: live bool, one per row");
+  const at::Tensor rows = live.reshape({m}).nonzero().reshape({-1});
   at::Tensor out = at::zeros({m, n}, x.options());
   if (rows.numel() > 0) {
     out.index_copy_(0, rows,
-                    panel_rows(x2.index_select(0, rows), panels, kind, n, k, split, half, bias));
+                    panel_linear(x2.index_select(0, rows), panels, kind, n, k, split, half, bias));
   }
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
@@ -225,7 +223,10 @@ TORCH_LIBRARY_FRAGMENT(hyloop, m) {
   m.def("pack_panels_i8(Tensor codes, Tensor scale, int split) -> Tensor");
   m.def(
       "panel_linear(Tensor x, Tensor panels, int kind, int n, int k, int split, bool half, "
-      "Tensor? bias, Tensor? live=None) -> Tensor");
+      "Tensor? bias) -> Tensor");
+  m.def(
+      "panel_linear_live(Tensor x, Tensor panels, int kind, int n, int k, int split, bool half, "
+      "Tensor? bias, Tensor live) -> Tensor");
   m.def("set_bf16_dot(bool fma) -> bool");
   m.def("bf16_dot_times() -> (float, float)");
   m.def("set_amx(bool on) -> bool");
@@ -236,6 +237,7 @@ TORCH_LIBRARY_IMPL(hyloop, CPU, m) {
   m.impl("pack_panels_i4", &pack_panels_i4);
   m.impl("pack_panels_i8", &pack_panels_i8);
   m.impl("panel_linear", &panel_linear);
+  m.impl("panel_linear_live", &panel_linear_live);
 }
 
 TORCH_LIBRARY_IMPL(hyloop, CompositeExplicitAutograd, m) {

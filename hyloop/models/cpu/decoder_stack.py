@@ -161,7 +161,7 @@ class DecoderStack:
             bias = torch.where(meta.mask.view(n, length), zero, float("-inf"))
             # a row's positions past its drafts pad the step: not computed (zeros)
             live = batch.live_positions().reshape(n)
-        out = torch.ops.hyloop.decode_layers(
+        args = (
             x.reshape(n, self.hidden),
             self.handle,
             [pool.k[i] for i in self.pool_layers],
@@ -172,8 +172,11 @@ class DecoderStack:
             cos,
             sin,
             t,
-            live,
         )
+        if live is None:
+            out = torch.ops.hyloop.decode_layers(*args)
+        else:
+            out = torch.ops.hyloop.decode_layers_live(*args, live)
         return out.view(b, t, self.hidden)
 
     def phase_times(self, enable: bool = True) -> dict[str, float]:

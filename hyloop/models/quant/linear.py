@@ -90,9 +90,11 @@ class WeightOnlyLinear(nn.Module, ABC):
         x2 = x.reshape(-1, self.in_features)
         p = self.panels
         if p is not None:
-            out = torch.ops.hyloop.panel_linear(
-                x2, self.panel_data, p.kind, p.n, p.k, p.split, p.half, self.bias, live
-            )
+            args = (x2, self.panel_data, p.kind, p.n, p.k, p.split, p.half, self.bias)
+            if live is None:
+                out = torch.ops.hyloop.panel_linear(*args)
+            else:
+                out = torch.ops.hyloop.panel_linear_live(*args, live)
         else:
             out = self.reference(x2)
         return out.view(*x.shape[:-1], self.out_features)
