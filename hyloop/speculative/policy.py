@@ -78,7 +78,7 @@ class Speculator:
         self.drafted = 0
         self.accepted = 0
         self.verify_steps = 0
-        # by batch size: seconds of a plain step, and of one more position per row
+        # by batch size: seconds of a plain step, and of one draft a verify step checks
         self.plain: dict[int, float] = {}
         self.position: dict[int, float] = {}
         self.since_plain: dict[int, int] = {}  # verify steps since a plain one, by batch size
@@ -92,7 +92,7 @@ class Speculator:
         return state
 
     def ratio(self, rows: int) -> float:
-        """What one more position per row costs, in tokens of a plain step of ``rows`` rows."""
+        """What one verified draft costs, in tokens of a plain step of ``rows`` rows."""
         plain, position = self.plain.get(rows), self.position.get(rows)
         if plain is None or position is None:
             return PRIOR_RATIO

@@ -102,7 +102,7 @@ at::Tensor pack_panels_i8(const at::Tensor& codes, const at::Tensor& scale, int6
 
 // y = x @ W.T (+ bias) over the panels, in x's dtype. Panel pairs are split over the team.
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t kind, int64_t n,
-                      int64_t k, int64_t split, bool half, const std::optional<at::Tensor>& bias) {
+                        int64_t k, int64_t split, bool half, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(kind >= P::kF32 && kind <= P::kI8, "panel_linear: kind ", kind);
   TORCH_CHECK(x.size(-1) == k, "panel_linear: x has ", x.size(-1), " columns, the weight ", k);
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
