@@ -294,8 +294,19 @@ inline __m512 tree16x16(const __m512* a) {
   return _mm512_permutexvar_ps(order, f);
 }
 
+// A pool row of zeros: the columns a last block of fewer than 16 reads past the visible ones
+// (their scores are never stored), so that every block is 16 loads with no branch.
+template <typename T>
+inline const T* zero_row() {
+  alignas(64) static const T zeros[128] = {};
+  return zeros;
+}
+
 // ``group`` for head_dim = 16 * NC on AVX-512: the same arithmetic in the same order, 16
 // columns' scores reduced together (``tree16x16``) and each head's output summed in registers.
+// A lane's sum starts at its first product, not at +0 + that product: the two differ only in
+// the sign of a zero, and a score's zero sign changes nothing after it (a score's -0 or +0
+// plus a bias of +0 is +0, and e^(s - max) is the same for either), so outputs keep their bits.
 template <typename T, int NC>
 void group16(const float* q, int64_t G, const T* kb, int64_t k_row, const T* vb, int64_t v_row,
              int64_t h, const int64_t* slots, const float* bias, int64_t L, float scale,
@@ -315,6 +326,7 @@ void group16(const float* q, int64_t G, const T* kb, int64_t k_row, const T* vb,
     bs[n] = bias[j];
     ++n;
   }
+  for (int64_t j = n; j < n + 16; ++j) ks[j] = zero_row<T>();
   constexpr int64_t lines = (D * static_cast<int64_t>(sizeof(T)) + 63) / 64;
   float* scores = scratch;  // [G][n]
   const __m512 sc = _mm512_set1_ps(scale), ninf16 = _mm512_set1_ps(ninf);
@@ -334,15 +346,17 @@ void group16(const float* q, int64_t G, const T* kb, int64_t k_row, const T* vb,
     }
     const __mmask16 live = static_cast<__mmask16>(cn == 16 ? 0xFFFF : (1u << cn) - 1);
     const __m512 bias16 = _mm512_maskz_loadu_ps(live, bs.data() + c0);
+    const T* const* kc = ks.data() + c0;
     for (int64_t g = 0; g < G; ++g) {
       __m512 qv[NC];
       for (int i = 0; i < NC; ++i) qv[i] = _mm512_loadu_ps(q + g * D + 16 * i);
       __m512 acc[16];
-      for (int64_t c = 0; c < 16; ++c) {
-        acc[c] = _mm512_setzero_ps();
-        if (c >= cn) continue;
-        const T* k = ks[c0 + c];
-        for (int i = 0; i < NC; ++i)
+#pragma GCC unroll 16
+      for (int c = 0; c < 16; ++c) {
+        const T* k = kc[c];
+        acc[c] = _mm512_mul_ps(qv[0], load16(k));
+#pragma GCC unroll 8
+        for (int i = 1; i < NC; ++i)
           acc[c] = _mm512_add_ps(acc[c], _mm512_mul_ps(qv[i], load16(k + 16 * i)));
       }
       const __m512 s = _mm512_add_ps(_mm512_mul_ps(tree16x16(acc), sc), bias16);
