@@ -100,12 +100,13 @@ at::Tensor pack_panels_i8(const at::Tensor& codes, const at::Tensor& scale, int6
   return out;
 }
 
-// y = x @ W.T (+ bias) over the panels, in x's dtype. Panel pairs are split over the team.
-at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t kind, int64_t n,
-                        int64_t k, int64_t split, bool half, const std::optional<at::Tensor>& bias) {
+// Rows x2 [m, k] @ W.T (+ bias) into `out` (x's dtype, row stride n): row i at out row
+// rows[i] where `rows` is given, else i. Panel pairs are split over the team.
+void linear_into(const at::Tensor& x2, const at::Tensor& panels, int64_t kind, int64_t n,
+                 int64_t k, int64_t split, bool half, const std::optional<at::Tensor>& bias,
+                 at::Tensor& out, const int64_t* rows) {
   TORCH_CHECK(kind >= P::kF32 && kind <= P::kI8, "panel_linear: kind ", kind);
-  TORCH_CHECK(x.size(-1) == k, "panel_linear: x has ", x.size(-1), " columns, the weight ", k);
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+  TORCH_CHECK(x2.scalar_type() == at::kFloat || x2.scalar_type() == at::kBFloat16,
               "panel_linear: float32 or bfloat16 x");
   const P::Weight w =
       P::make_weight(static_cast<P::Kind>(kind), n, k, half, split, panels.const_data_ptr<uint8_t>());
@@ -116,51 +117,69 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t k
     TORCH_CHECK(bias->numel() == n, "panel_linear: bias has ", bias->numel(), " values, not ", n);
     b = bias->to(at::kFloat).contiguous();
   }
-  const at::Tensor x2 = x.reshape({-1, k});
   const int64_t m = x2.size(0);
-  hyloop::RowsBuffer rows(w.kind, m, k);
-  rows.fill(x2);
-  at::Tensor out = at::empty({m, n}, x.options());
+  hyloop::RowsBuffer buffer(w.kind, m, k);
+  buffer.fill(x2);
   P::Output o;
   o.ld = n;
   o.bias = b.has_value() ? b->const_data_ptr<float>() : nullptr;
-  if (x.scalar_type() == at::kFloat) {
+  o.rows = rows;
+  if (x2.scalar_type() == at::kFloat) {
     o.f32 = out.mutable_data_ptr<float>();
   } else {
     o.bf16 = out.mutable_data_ptr<c10::BFloat16>();
   }
   const int64_t units = (w.panels + 1) / 2;  // pairs of panels: gate/up pairs stay together
-  const P::Rows r = rows.view();
+  const P::Rows r = buffer.view();
   if (m > 0) {
     hyloop::run_team(std::min<int64_t>(hyloop::team_size(), units), [&](int rank, hyloop::Team& team) {
       const int64_t u0 = units * rank / team.size(), u1 = units * (rank + 1) / team.size();
       P::gemm(w, r, 2 * u0, std::min(w.panels, 2 * u1), o);
     });
   }
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n;
-  return out.view(shape);
 }
 
-// ``panel_linear`` with `live` (bool, one per row of x): only the live rows are computed and
-// the others are zeros (a verify step's padding positions): a row's bits do not depend on the
-// rows beside it.
+std::vector<int64_t> out_shape(const at::Tensor& x, int64_t n) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  return shape;
+}
+
+// y = x @ W.T (+ bias) over the panels, in x's dtype.
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t kind, int64_t n,
+                        int64_t k, int64_t split, bool half, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.size(-1) == k, "panel_linear: x has ", x.size(-1), " columns, the weight ", k);
+  const at::Tensor x2 = x.reshape({-1, k});
+  at::Tensor out = at::empty({x2.size(0), n}, x.options());
+  linear_into(x2, panels, kind, n, k, split, half, bias, out, nullptr);
+  return out.view(out_shape(x, n));
+}
+
+// ``panel_linear`` with `live` (bool, one per row of x): only the live rows are computed, each
+// written straight into its place, and the others are zeros (a verify step's padding
+// positions): a row's bits do not depend on the rows beside it.
 at::Tensor panel_linear_live(const at::Tensor& x, const at::Tensor& panels, int64_t kind,
                              int64_t n, int64_t k, int64_t split, bool half,
                              const std::optional<at::Tensor>& bias, const at::Tensor& live) {
+  TORCH_CHECK(x.size(-1) == k, "panel_linear: x has ", x.size(-1), " columns, the weight ", k);
   const at::Tensor x2 = x.reshape({-1, k});
   const int64_t m = x2.size(0);
   TORCH_CHECK(live.scalar_type() == at::kBool && live.numel() == m,
               "panel_linear_live: live bool, one per row");
-  const at::Tensor rows = live.reshape({m}).nonzero().reshape({-1});
-  at::Tensor out = at::zeros({m, n}, x.options());
-  if (rows.numel() > 0) {
-    out.index_copy_(0, rows,
-                    panel_linear(x2.index_select(0, rows), panels, kind, n, k, split, half, bias));
+  const at::Tensor flags = live.reshape({m}).contiguous();
+  const at::Tensor rows = flags.nonzero().reshape({-1}).contiguous();
+  at::Tensor out = at::empty({m, n}, x.options());
+  const bool* on = flags.const_data_ptr<bool>();
+  const int64_t row_bytes = n * static_cast<int64_t>(out.element_size());
+  auto* base = static_cast<char*>(out.data_ptr());
+  for (int64_t i = 0; i < m; ++i) {  // the padding's rows alone are zeroed
+    if (!on[i]) std::memset(base + i * row_bytes, 0, row_bytes);
   }
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n;
-  return out.view(shape);
+  if (rows.numel() > 0) {
+    linear_into(x2.index_select(0, rows), panels, kind, n, k, split, half, bias, out,
+                rows.const_data_ptr<int64_t>());
+  }
+  return out.view(out_shape(x, n));
 }
 
 // Which bfloat16 GEMM path runs (panels.h: ``g_bf16_fma``); returns the one now set (a build

@@ -566,13 +566,16 @@ inline void run_tile(const Weight& w, const Rows& x, int64_t m0, int64_t p,
 
 // ------------------------------------------------------------------ a GEMM over panels
 
-// Where a GEMM's results go: row m, column c at ``f32[m * ld + c]`` or ``bf16[m * ld + c]``
-// (rounded once, to nearest even), plus ``bias[c]`` when given.
+// Where a GEMM's results go: row m, column c at ``f32[r * ld + c]`` or ``bf16[r * ld + c]``
+// (rounded once, to nearest even), plus ``bias[c]`` when given; r is ``rows[m]`` where a row
+// map is given (a verify step's live rows straight into their places), else m.
 struct Output {
   float* f32 = nullptr;
   c10::BFloat16* bf16 = nullptr;
   int64_t ld = 0;
   const float* bias = nullptr;
+  const int64_t* rows = nullptr;
+  int64_t row(int64_t m) const { return rows != nullptr ? rows[m] : m; }
 };
 
 // Rows [m0, m0 + rows) of a tile for panels [p, p + NP) to their output columns.
@@ -587,7 +590,7 @@ inline void store_tile(const Weight& w, int64_t p, int64_t m0, int64_t rows,
         for (int64_t j = 0; j < cols; ++j) v[j] += out.bias[c0 + j];
       }
       if (out.bf16 != nullptr) {
-        c10::BFloat16* o = out.bf16 + (m0 + m) * out.ld + c0;
+        c10::BFloat16* o = out.bf16 + out.row(m0 + m) * out.ld + c0;
         int64_t j = 0;
 #ifdef HYLOOP_P512
         if (cols == kCols) {  // c10's rounding, 16 at once
@@ -598,7 +601,7 @@ inline void store_tile(const Weight& w, int64_t p, int64_t m0, int64_t rows,
 #endif
         for (; j < cols; ++j) o[j] = static_cast<c10::BFloat16>(v[j]);
       } else {
-        std::memcpy(out.f32 + (m0 + m) * out.ld + c0, v, cols * sizeof(float));
+        std::memcpy(out.f32 + out.row(m0 + m) * out.ld + c0, v, cols * sizeof(float));
       }
     }
   }
