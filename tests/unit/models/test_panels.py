@@ -250,6 +250,10 @@ def test_live_rows_alone_are_computed_with_their_bits() -> None:
         assert torch.equal(every, reference)
         assert torch.equal(some[live], every[live])
         assert not some[~live].any() and every[~live].all()
+        # bfloat16 rows: the live rows' rounded outputs in their places too
+        every, some = layer(x.bfloat16()), layer(x.bfloat16(), live=live)
+        assert some.dtype == torch.bfloat16 and torch.equal(some[live], every[live])
+        assert not some[~live].any() and every[~live].all()
 
 
 def test_int8_needs_whole_groups() -> None:
