@@ -219,7 +219,9 @@ def test_eager_outputs_match_sync(
 
 
 def test_compile_outputs_match_sync(tiny_ckpts: dict[str, Path]) -> None:
-    """One compiled pair (buckets 2 and 4): a few requests, one abort, greedy and seeded."""
+    """One compiled engine (buckets 2 and 4), its jobs run with the sync loop, then, the cache
+    emptied, with lookahead on the same artifacts: a few requests, one abort, greedy and
+    seeded."""
     jobs = make_jobs(6, seed=5, shared=False, max_tokens=12, abort_rate=0.0)
     jobs[1].abort_at = 3
     overrides = [
@@ -228,11 +230,22 @@ def test_compile_outputs_match_sync(tiny_ckpts: dict[str, Path]) -> None:
         "model.max_context=96",
         "graphs.backend=compile",
         "graphs.buckets=[2,4]",
+        "lookahead.enable=false",
+        MIN1,
     ]
-    sync, la = run_pair(tiny_ckpts["llama"], overrides, jobs)
+    runs = []
+    with LLM(model=tiny_ckpts["llama"], overrides=overrides) as llm:
+        for enable in (False, True):
+            llm.llm_engine.set_lookahead(enable)
+            assert llm.reset_prefix_cache()  # the second loop computes every prefix anew
+            before = llm.stats()
+            runs.append(drive(llm.engine, jobs))
+            after = runs[-1].stats
+            assert after["graph_replays"] > before["graph_replays"]
+            assert after["recompiles"] == 0
+    sync, la = runs
     assert_same_outputs(sync, la, jobs)
-    for run in (sync, la):
-        assert run.stats["graph_replays"] > 0 and run.stats["recompiles"] == 0
+    assert la.stats["lookahead_hidden_host_s"] > sync.stats.get("lookahead_hidden_host_s", 0.0)
 
 
 # -- stress: 500 requests, nothing leaks, nothing past a stop --------------------------------------

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -79,11 +81,18 @@ def test_compiled_steps_get_the_eager_tokens(gguf_path: Path, eager: tuple) -> N
 
 
 def test_a_first_run_on_a_machine_gets_a_warm_runs_tokens(
-    gguf_path: Path, eager: tuple, tmp_path: Path
+    gguf_path: Path,
+    eager: tuple,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """A fresh cache directory: the kernels are built at load (a line says so), then the job
-    computes what the warm process above computed."""
-    env = {**os.environ, "HYLOOP_CACHE_DIR": str(tmp_path / "fresh")}
+    """A fresh cache directory: the kernels are built at load (a line before, one with its
+    seconds after), then the job computes what the warm process above computed. The build
+    leaves the library and its lock alone beside each other, and a second caller finds it
+    built: no second build, no line."""
+    fresh = tmp_path / "fresh"
+    env = {**os.environ, "HYLOOP_CACHE_DIR": str(fresh)}
     env.pop("HYLOOP_CPU_OPS", None)
     done = subprocess.run(
         [sys.executable, "-c", CHILD, str(gguf_path), json.dumps(PROMPTS), str(TOKENS)],
@@ -93,8 +102,19 @@ def test_a_first_run_on_a_machine_gets_a_warm_runs_tokens(
         timeout=900,
         check=True,
     )
-    assert "building the CPU kernels" in done.stderr and "CPU kernels built in" in done.stderr
+    assert "building the CPU kernels" in done.stderr
+    assert re.search(r"CPU kernels built in \d+\.\d s", done.stderr), done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1]) == eager[0]
+
+    monkeypatch.setenv("HYLOOP_CACHE_DIR", str(fresh))
+    path = cpu_ops.library_path()
+    assert path.exists() and path.stat().st_size > 0
+    assert {p.name for p in path.parent.iterdir()} == {path.name, path.with_suffix(".lock").name}
+    compiler = shutil.which("g++") or shutil.which("c++")
+    assert compiler is not None  # the module's skip guarantees one
+    capsys.readouterr()
+    cpu_ops._build_once(compiler, path)  # already there: no second build
+    assert "building" not in capsys.readouterr().err
 
 
 def test_without_the_kernels_a_run_gets_the_kernels_tokens(gguf_path: Path, eager: tuple) -> None:

@@ -85,20 +85,28 @@ def assert_same_answers(got: dict[str, list[Any]], ref: dict[str, list[Any]]) ->
         assert abs(a - b) < 1e-3, (a, b)  # a sum over every token of the text
 
 
-def test_lm_eval_vllm_backend_equals_hf(hf_dir: Path, task_dir: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def hf_answers(hf_dir: Path, task_dir: Path) -> dict[str, list[Any]]:
+    """lm-eval's HF backend on the weights transformers reads from the GGUF (``hf_dir`` is what
+    it wrote of them): the reference of both routes below."""
+    return hf_backend(task_dir, f"pretrained={hf_dir}")
+
+
+def test_lm_eval_vllm_backend_equals_hf(
+    hf_dir: Path, task_dir: Path, tmp_path: Path, hf_answers: dict[str, list[Any]]
+) -> None:
     route = ["hyloop.compat.vllm", "lm_eval"]
     args = f"pretrained={hf_dir},dtype=float32,enforce_eager=True"
     got = lm_eval_cli(route, "vllm", args, task_dir, tmp_path)
-    assert_same_answers(got, hf_backend(task_dir, f"pretrained={hf_dir}"))
+    assert_same_answers(got, hf_answers)
 
 
 def test_lm_eval_hyloop_model_on_gguf_equals_hf(
-    gguf_path: Path, task_dir: Path, tmp_path: Path
+    gguf_path: Path, task_dir: Path, tmp_path: Path, hf_answers: dict[str, list[Any]]
 ) -> None:
     args = f"pretrained={gguf_path},model.weights=dequantize,enforce_eager=True"
     got = lm_eval_cli(["hyloop.compat.lm_eval"], "hyloop", args, task_dir, tmp_path)
-    ref = hf_backend(task_dir, f"pretrained={gguf_path.parent},gguf_file={gguf_path.name}")
-    assert_same_answers(got, ref)
+    assert_same_answers(got, hf_answers)
 
 
 # -- outlines -----------------------------------------------------------------------------------

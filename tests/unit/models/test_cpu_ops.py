@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import gc
 import math
-import re
-import shutil
 
 import pytest
 import torch
@@ -203,29 +201,6 @@ def test_topk_rows_rejects_bad_k() -> None:
         torch.ops.hyloop.topk_rows(torch.zeros(2, 8), 9)
     with pytest.raises(RuntimeError, match="fp32"):
         torch.ops.hyloop.topk_rows(torch.zeros(2, 8, dtype=torch.float64), 2)
-
-
-def test_a_missing_library_is_built_once_with_a_line_saying_so(
-    tmp_path,
-    monkeypatch,
-    capsys,  # noqa: ANN001
-) -> None:
-    """What ``ensure_loaded`` runs when a model loads on a machine without the library: one
-    build (a second caller finds it built and waits for none), a line before and one with its
-    seconds after, nothing left beside the library (not loaded here: this process already
-    holds the kernels)."""
-    monkeypatch.setenv("HYLOOP_CACHE_DIR", str(tmp_path))
-    path = cpu_ops.library_path()
-    assert not path.exists()
-    compiler = shutil.which("g++") or shutil.which("c++")
-    assert compiler is not None  # the module's skip guarantees one
-    cpu_ops._build_once(compiler, path)
-    assert path.exists() and path.stat().st_size > 0
-    err = capsys.readouterr().err
-    assert "building the CPU kernels" in err and re.search(r"built in \d+\.\d s", err)
-    cpu_ops._build_once(compiler, path)  # already there: no second build
-    assert "building" not in capsys.readouterr().err
-    assert {p.name for p in path.parent.iterdir()} == {path.name, path.with_suffix(".lock").name}
 
 
 @pytest.mark.parametrize("vocab", [1, 7, 31, 32, 100, 49152])
