@@ -31,7 +31,13 @@ After the table, compile / eager per cell: the best waves' ratio, the median pai
 distribution-free 95% interval (the sign test's), and its verdict: ``faster`` or ``slower`` only
 when the interval lies wholly above or below 1, else ``level``.
 
-    python bench/peers.py [--load] [--quick] [--json PATH]
+``--paired`` runs hyloop's waves and llama.cpp's runs on the same weights in turn instead (one
+hyloop process per weights, a ``llama-batched-bench`` run after each wave, the order alternating),
+so each ratio is of two engines measured in the same minute: the memory bandwidth here moves by
+tens of percent between runs minutes apart. It prints the median pair's hyloop / llama.cpp with
+the same distribution-free interval.
+
+    python bench/peers.py [--load | --paired] [--quick] [--json PATH]
 """
 
 from __future__ import annotations
@@ -113,10 +119,16 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         order = list(llms.items())
         # A wave of each backend right after the other's, on one batch (a pair: the machine's
         # drift between them is small); each backend first in every other pair: no order bias.
+        peer = spec.get("paired")  # llama.cpp's run on the same weights, between the waves
         for wave in range(spec["waves"]):
             for b in batches:
                 for backend, llm in order if wave % 2 == 0 else order[::-1]:
                     rates[backend].setdefault(f"b{b}", []).append(hyloop_wave(llm, prompts[b], n))
+                if peer:
+                    got = llama_cpp_once(peer["binary"], peer["gguf"], b, plen, n, peer["env"])
+                    rates.setdefault("llama.cpp", {}).setdefault(f"b{b}", []).append(got)
+        if peer:
+            out["llama.cpp"] = {"waves": rates.pop("llama.cpp")}
         for backend in backends:  # the best wave in the table; every wave in the JSON
             out[backend].update({key: max(r) for key, r in rates[backend].items()})
             out[backend]["waves"] = rates[backend]
@@ -176,6 +188,58 @@ def llama_cpp_bin(args: argparse.Namespace) -> str | None:
         path = path / "llama-batched-bench" if path.is_dir() else path
         return str(path) if path.is_file() else None
     return shutil.which("llama-batched-bench")
+
+
+def llama_cpp_once(binary: str, gguf: str, batch: int, plen: int, n: int, env: dict) -> float:
+    """One ``llama-batched-bench`` run at one batch on all cores: its S_TG (decode tok/s)."""
+    threads = str(os.cpu_count() or 1)
+    cmd = [binary, "-m", gguf, "-npp", str(plen), "-ntg", str(n), "-npl", str(batch)]
+    proc = subprocess.run(
+        [*cmd, "-t", threads, "-tb", threads], capture_output=True, text=True, env=env
+    )
+    for line in proc.stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 8 and cells[2].isdigit() and re.fullmatch(r"[\d.]+", cells[-1]):
+            return float(cells[7])
+    raise RuntimeError(f"llama-batched-bench: exit {proc.returncode}: {proc.stderr[-300:]}")
+
+
+def paired_table(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
+    """hyloop's waves and llama.cpp's runs on the same weights taken in turn, in one window of
+    the machine's speed: the ratio of each pair, not of engines minutes apart."""
+    binary = llama_cpp_bin(args)
+    if binary is None:
+        raise SystemExit("--paired needs llama-batched-bench (--llama-cpp)")
+    ggufs = {"q4_1": str(model), "float32": args.llama_gguf_f32, "bfloat16": args.llama_gguf_bf16}
+    rows = []
+    for mode, gguf in ggufs.items():
+        if not gguf:
+            continue
+        dtype, weights = ("float32", "auto") if mode == "q4_1" else (mode, "dequantize")
+        spec = {"model": str(model), "batches": args.batches, "waves": args.hyloop_waves}
+        spec |= {"new_tokens": args.new_tokens, "prompt_len": args.prompt_len, "engine": "hyloop"}
+        spec |= {"backends": args.backends, "dtype": dtype, "weights": weights}
+        spec["paired"] = {"binary": binary, "gguf": gguf, "env": PEER_ENV}
+        result = run_child(spec)
+        if "error" in result:
+            print(f"| {mode} | {result['error']} |")
+            continue
+        peer = result["llama.cpp"]["waves"]
+        for backend in args.backends:
+            for key, waves in result[backend]["waves"].items():
+                c = compare_waves(waves, peer[key])
+                row = {"weights": mode, "backend": backend, "batch": key, **c}
+                row |= {"hyloop_waves": waves, "llama_cpp_waves": peer[key]}
+                rows.append(row)
+                interval = (
+                    "-" if c["interval"] is None else "{:.3f} - {:.3f}".format(*c["interval"])
+                )
+                print(
+                    f"| {mode} | {backend} | {key} | {max(waves):.1f} | {max(peer[key]):.1f} | "
+                    f"{c['median']:.3f} | {interval} | {c['compile_ahead']}/{c['pairs']} |",
+                    flush=True,
+                )
+    return rows
 
 
 def run_llama_cpp(binary: str, gguf: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -457,6 +521,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llama-cpp", help="llama-batched-bench, or the directory holding it")
     p.add_argument("--llama-gguf-f32", help="the same weights as an F32 GGUF (for llama.cpp)")
     p.add_argument("--llama-gguf-bf16", help="the same weights as a BF16 GGUF (for llama.cpp)")
+    p.add_argument(
+        "--paired",
+        action="store_true",
+        help="hyloop's waves and llama.cpp's runs on the same weights in turn (needs --llama-cpp)",
+    )
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     if args.quick:
@@ -490,6 +559,19 @@ def main(argv: list[str] | None = None) -> int:
         f"{model.name}; {args.prompt_len}-token prompts, {args.new_tokens} greedy tokens; load "
         f"average {load[0]:.1f} at start (other work on the machine distorts every figure)"
     )
+    if args.paired:
+        print(
+            "\nhyloop / llama.cpp on the same weights, a hyloop wave and a llama.cpp run in turn:"
+        )
+        print(
+            "| weights | backend | batch | hyloop best | llama.cpp best | median pair | 95% "
+            "interval | pairs hyloop ahead |\n|---|---|---|---:|---:|---:|---|---:|"
+        )
+        rows = paired_table(args, model)
+        result = {"bench": "peers_paired", "model": str(model), "rows": rows}
+        result |= {"load_avg_start": load, "load_avg_end": os.getloadavg(), "args": vars(args)}
+        write_json(result, args.json)
+        return 0
     if args.load:
         print("| OpenMP waits | backend | weights | b1 quiet | b1 beside busy | busy/quiet |")
         print("|---|---|---|---:|---:|---:|")
