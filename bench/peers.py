@@ -197,11 +197,20 @@ def llama_cpp_once(binary: str, gguf: str, batch: int, plen: int, n: int, env: d
     proc = subprocess.run(
         [*cmd, "-t", threads, "-tb", threads], capture_output=True, text=True, env=env
     )
-    for line in proc.stdout.splitlines():
+    rates = s_tg(proc.stdout)
+    if batch not in rates:
+        raise RuntimeError(f"llama-batched-bench: exit {proc.returncode}: {proc.stderr[-300:]}")
+    return rates[batch]
+
+
+def s_tg(stdout: str) -> dict[int, float]:
+    """``llama-batched-bench``'s table: S_TG (decode tok/s) by batch."""
+    rates = {}
+    for line in stdout.splitlines():  # |  PP |  TG |  B | N_KV | T_PP s | S_PP t/s | ...
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) >= 8 and cells[2].isdigit() and re.fullmatch(r"[\d.]+", cells[-1]):
-            return float(cells[7])
-    raise RuntimeError(f"llama-batched-bench: exit {proc.returncode}: {proc.stderr[-300:]}")
+            rates[int(cells[2])] = float(cells[7])
+    return rates
 
 
 def paired_table(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
@@ -216,9 +225,8 @@ def paired_table(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
         if not gguf:
             continue
         dtype, weights = ("float32", "auto") if mode == "q4_1" else (mode, "dequantize")
-        spec = {"model": str(model), "batches": args.batches, "waves": args.hyloop_waves}
-        spec |= {"new_tokens": args.new_tokens, "prompt_len": args.prompt_len, "engine": "hyloop"}
-        spec |= {"backends": args.backends, "dtype": dtype, "weights": weights}
+        spec = workload(args, model) | {"engine": "hyloop", "backends": args.backends}
+        spec |= {"dtype": dtype, "weights": weights}
         spec["paired"] = {"binary": binary, "gguf": gguf, "env": PEER_ENV}
         result = run_child(spec)
         if "error" in result:
@@ -231,12 +239,9 @@ def paired_table(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
                 row = {"weights": mode, "backend": backend, "batch": key, **c}
                 row |= {"hyloop_waves": waves, "llama_cpp_waves": peer[key]}
                 rows.append(row)
-                interval = (
-                    "-" if c["interval"] is None else "{:.3f} - {:.3f}".format(*c["interval"])
-                )
                 print(
                     f"| {mode} | {backend} | {key} | {max(waves):.1f} | {max(peer[key]):.1f} | "
-                    f"{c['median']:.3f} | {interval} | {c['compile_ahead']}/{c['pairs']} |",
+                    f"{c['median']:.3f} | {interval_text(c)} | {c['compile_ahead']}/{c['pairs']} |",
                     flush=True,
                 )
     return rows
@@ -254,10 +259,8 @@ def run_llama_cpp(binary: str, gguf: Path, args: argparse.Namespace) -> dict[str
         proc = subprocess.run(cmd, capture_output=True, text=True, env=PEER_ENV)
         if proc.returncode:
             return {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-300:]}"}
-        for line in proc.stdout.splitlines():  # |  PP |  TG |  B | N_KV | T_PP s | S_PP t/s | ...
-            cells = [c.strip() for c in line.strip().strip("|").split("|")]
-            if len(cells) >= 8 and cells[2].isdigit() and re.fullmatch(r"[\d.]+", cells[-1]):
-                waves.setdefault(f"b{int(cells[2])}", []).append(float(cells[7]))  # S_TG t/s
+        for batch, rate in s_tg(proc.stdout).items():
+            waves.setdefault(f"b{batch}", []).append(rate)
     if not waves:
         return {"error": "no table in llama-batched-bench's output"}
     return {**{key: max(rates) for key, rates in waves.items()}, "waves": waves}
@@ -331,9 +334,14 @@ def run_vllm(
 # ---------------------------------------------------------------- the two tables
 
 
-def peers_table(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
+def workload(args: argparse.Namespace, model: Path) -> dict[str, Any]:
+    """What every engine's child runs: the model, the batches, the waves, the lengths."""
     common = {"model": str(model), "batches": args.batches, "waves": args.hyloop_waves}
-    common |= {"new_tokens": args.new_tokens, "prompt_len": args.prompt_len}
+    return common | {"new_tokens": args.new_tokens, "prompt_len": args.prompt_len}
+
+
+def peers_table(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
+    common = workload(args, model)
     rows = []
 
     def add(label: str, cells: dict[str, dict[str, Any]]) -> None:
@@ -373,8 +381,7 @@ def peers_table(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
 
 
 def load_table(args: argparse.Namespace, model: Path) -> list[dict[str, Any]]:
-    common = {"model": str(model), "batches": [1], "waves": args.hyloop_waves, "dtype": "float32"}
-    common |= {"new_tokens": args.new_tokens, "prompt_len": args.prompt_len, "engine": "hyloop"}
+    common = workload(args, model) | {"batches": [1], "dtype": "float32", "engine": "hyloop"}
     policies = {
         "libgomp default (spin)": {"GOMP_SPINCOUNT": DEFAULT_SPIN},
         "hyloop (its kernel pool, OpenMP passive)": {},
@@ -472,6 +479,10 @@ def compile_vs_eager(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     }
 
 
+def interval_text(c: dict[str, Any]) -> str:
+    return "-" if c["interval"] is None else "{:.3f} - {:.3f}".format(*c["interval"])
+
+
 def print_compile_vs_eager(comparison: dict[str, dict[str, Any]]) -> None:
     if not comparison:
         return
@@ -479,9 +490,8 @@ def print_compile_vs_eager(comparison: dict[str, dict[str, Any]]) -> None:
     print("| cell | best wave | median pair | 95% interval | pairs compile ahead | verdict |")
     print("|---|---:|---:|---|---:|---|")
     for label, c in comparison.items():
-        interval = "-" if c["interval"] is None else "{:.3f} - {:.3f}".format(*c["interval"])
         print(
-            f"| {label} | {c['best']:.2f} | {c['median']:.3f} | {interval} | "
+            f"| {label} | {c['best']:.2f} | {c['median']:.3f} | {interval_text(c)} | "
             f"{c['compile_ahead']}/{c['pairs']} | {c['verdict']} |"
         )
 
