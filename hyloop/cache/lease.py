@@ -9,8 +9,9 @@ A lease's KV row, by position (``Lease.slots``, mirrored in its req->token row):
 
 plus, on hybrid models, one working state slot, and on sliding-window models its window pages
 (``lease_windows``). Every page and slot a request touches passes through here, so the ledger
-(free + pending-free + request-held + tree-held == capacity) has one place to be right. The
-scheduler calls down:
+(free + pending-free + request-held + tree-held == capacity) has one place to be right. Frees
+follow the pools' ``StepFence``: what a launched step may still read waits for it. The scheduler
+calls down (and probes with ``cached_len``):
 
 1. ``admit``: match the prompt, lock the hit, reserve the rest (evicting unlocked tree data when
    short), take a req->token row and a working state slot and, on a recurrent hit, copy the
@@ -23,8 +24,6 @@ scheduler calls down:
    positions at the tree's pages and moves its lock to the new node.
 3. ``release``: on finish, commit the whole computed sequence (with the end state snapshot when
    it is page aligned), unlock and free what the tree did not take; on abort, free only.
-
-Frees follow the pools' ``StepFence``: what a launched step may still read waits for it.
 """
 
 from __future__ import annotations
@@ -152,7 +151,7 @@ class RequestCache:
                 return None
             own = self.kv.alloc(own_tokens)
             assert own is not None, "pages were ensured"
-            slots = torch.cat([m.device_indices.to(torch.int64), own]) if cached else own
+            slots = torch.cat([m.device_indices, own]) if cached else own
             row = self.req_to_token.alloc()
             assert row is not None
             lease = Lease(slots, own_from=cached, lock=lock, req_row=row, cached=cached)
@@ -179,6 +178,10 @@ class RequestCache:
             else:
                 self.release(req, lease, 0, commit=False, idle=True)
             raise
+
+    def cached_len(self, ids: list[int], extra_key: Hashable) -> int:
+        """How many of ``ids`` an admission would find cached now; read-only."""
+        return self.tree.peek_prefix_len(RadixKey(ids, extra_key))
 
     def _room(self, req: Holder, own_tokens: int, pinned: int) -> bool:
         """Room for ``req``'s own pages, state slot and window, evicting what is unlocked."""
@@ -296,12 +299,11 @@ class RequestCache:
     def clear(self) -> bool:
         """Evict everything the tree holds (its removals empty the position-independent donor
         index too); False, changing nothing, while any of it is locked."""
-        tree = self.tree
-        if tree.num_outstanding_locks():
+        if self.tree.num_outstanding_locks():
             return False
         every = 1 << 62
-        tree.evict(EvictParams(num_tokens=every, swa_num_tokens=every, recurrent_num=every))
-        return tree.total_size("full") == 0  # no node left: no window or snapshot either
+        self.tree.evict(EvictParams(num_tokens=every, swa_num_tokens=every, recurrent_num=every))
+        return self.tree.total_size("full") == 0  # no node left: no window or snapshot either
 
     # -- ledger ---------------------------------------------------------------------------------
     def check(self, leases: dict[str, Lease], track_held: int = 0) -> None:
@@ -309,14 +311,13 @@ class RequestCache:
         held = sum(lease.slots.numel() - lease.own_from for lease in leases.values())
         self.kv.check_invariants()
         self.req_to_token.check_invariants()
-        pending = self.kv.pending_size()
         if self.reuse is not None:
             self.reuse.check()
         self.window.check(leases)
         active = sum(1 for lease in leases.values() if lease.state_slot)
         self.tree.check_invariants(
             request_held_tokens=held,
-            pending_free_tokens=pending,
+            pending_free_tokens=self.kv.pending_size(),
             request_held_slots=active + track_held,
             pending_free_slots=0 if self.recurrent is None else self.recurrent.pending_size(),
         )

@@ -50,6 +50,7 @@ class TreeNode:
         "children",
         "child_key",
         "depth",
+        "start_depth",
         "component_data",
         "alive",
         "heap_stamp",
@@ -64,6 +65,7 @@ class TreeNode:
         self.children: dict[Any, TreeNode] = {}
         self.child_key = child_key
         self.depth = depth
+        self.start_depth = depth - self.length
         self.component_data = [ComponentData(self) for _ in range(NUM_COMPONENTS)]
         self.alive = True
         self.heap_stamp = -1  # stamp of its newest FULL eviction-heap entry; -1: none
@@ -75,10 +77,6 @@ class TreeNode:
     @property
     def full_value(self) -> torch.Tensor:
         return self.component_data[FULL].value
-
-    @property
-    def start_depth(self) -> int:
-        return self.depth - self.length
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, len={self.length}, depth={self.depth})"

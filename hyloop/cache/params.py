@@ -38,7 +38,7 @@ class MatchResult:
     ``prefix_len`` (lock this one); ``best_match_node`` is the deepest node where every component
     hits (the same node without a host tier). ``full_prefix_len`` (>= ``prefix_len``) is how far
     the FULL backbone alone matched. ``recurrent_slot``: the snapshot to copy-on-write from when
-    ``recurrent_hit``.
+    ``recurrent_hit``. ``device_indices``: the hit prefix's KV slots, ``prefix_len`` long.
     """
 
     prefix_len: int
@@ -47,21 +47,7 @@ class MatchResult:
     full_prefix_len: int
     recurrent_hit: bool = False
     recurrent_slot: int | None = None
-    node_values: list[torch.Tensor] = field(default_factory=list)
-    _indices: torch.Tensor | None = None
-
-    @property
-    def device_indices(self) -> torch.Tensor:
-        """KV slot indices of the hit prefix (int64, ``prefix_len`` long), built on first use."""
-        if self._indices is None:
-            vals = self.node_values
-            if not vals:
-                self._indices = _EMPTY
-            elif len(vals) == 1:
-                self._indices = vals[0]
-            else:
-                self._indices = torch.cat(vals)
-        return self._indices
+    device_indices: torch.Tensor = field(default_factory=lambda: _EMPTY)  # int64 KV slots
 
 
 @dataclass(frozen=True, slots=True)

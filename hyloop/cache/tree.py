@@ -1,11 +1,9 @@
-"""The UHRC tree core: one radix tree over token keys, shared by the cache components.
-
-The core owns the tree shape and the FULL KV indices and names no other component or mark:
-where a component hits, what its locks pin, how an insert splits and fills its data, how it
-evicts, and which nodes a match may walk into or an insert join, are hooks (``component_base``);
-frees are queued per component and handed back to each. Keys are matched and split at page
-multiples. ``lease.RequestCache`` drives it; ``peek_prefix_len`` probes without side effects.
-"""
+"""The UHRC tree core: one radix tree over token keys, shared by the cache components. It owns
+the tree shape and the FULL KV indices and names no other component or mark: where a component
+hits, what its locks pin, how an insert splits and fills its data, how it evicts, and which nodes
+a match may walk into or an insert join, are hooks (``component_base``); frees are queued per
+component and handed back to each. Keys are matched and split at page multiples.
+``lease.RequestCache`` drives it; ``peek_prefix_len`` probes without side effects."""
 
 from __future__ import annotations
 
@@ -119,6 +117,7 @@ class RadixTree:
         assert parent is not None and 0 < m < node.length and m % self.page_size == 0
         mb = m * TOKEN_BYTES
         upper = TreeNode(node.key[:mb], parent, node.child_key, node.start_depth + m)
+        node.start_depth += m
         parent.children[node.child_key] = upper
         value = node.component_data[FULL].value
         upper.component_data[FULL].value = value[:m]
@@ -202,7 +201,7 @@ class RadixTree:
             last_node=node,
             best_match_node=node,
             full_prefix_len=full_len,
-            node_values=[n.component_data[FULL].value for n in nodes],
+            device_indices=torch.cat([n.component_data[FULL].value for n in (self.root, *nodes)]),
             **fields,
         )
 
@@ -223,9 +222,7 @@ class RadixTree:
         value = params.value
         if not isinstance(value, torch.Tensor) or value.dim() != 1 or len(value) != ntok:
             got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ValueError(
-                f"insert: value must be a 1-D tensor with one index per token ({ntok}), got {got}"
-            )
+            raise ValueError(f"insert: value: 1-D, one index per token ({ntok}); got {got}")
         pb = self._page_bytes
         n = ntok - ntok % self.page_size
         nb = n * TOKEN_BYTES
@@ -277,9 +274,16 @@ class RadixTree:
 
     # -- locks ----------------------------------------------------------------------------------
     def inc_lock_ref(self, node: TreeNode) -> IncLockRefResult:
-        """Pin what a request at ``node`` reads; release by handing back the receipt."""
+        """Pin what a request at ``node`` reads (splitting the path where a component's lock
+        starts or ends: ``lock_cuts``); release by handing back the receipt."""
         if not isinstance(node, TreeNode) or not node.alive:
             raise ValueError(f"inc_lock_ref: {node!r} is not a live node of this tree")
+        for depth in (d for c in self.aux for d in c.lock_cuts(node)):
+            upper = node
+            while upper.start_depth >= depth:
+                upper = upper.parent
+            if upper.start_depth < depth < upper.depth:
+                self._split(upper, depth - upper.start_depth)
         tokens = {c.kind: c.lock(node) for c in self.components}
         fields = {k: v for c in self.aux for k, v in c.receipt_fields(tokens[c.kind]).items()}
         rid = next(self._receipt_ids)
@@ -294,10 +298,8 @@ class RadixTree:
             params = DecLockRefParams(receipt_id=params.receipt_id, node_id=params.node.id)
         entry = self._receipts.get(params.receipt_id)
         if entry is None:
-            raise ValueError(
-                f"dec_lock_ref: receipt {params.receipt_id} is not outstanding "
-                f"(already released, or not issued by this cache)"
-            )
+            msg = "is not outstanding (already released, or not issued by this cache)"
+            raise ValueError(f"dec_lock_ref: receipt {params.receipt_id} {msg}")
         receipt, tokens = entry
         if receipt.node.id != params.node_id:
             raise ValueError(
@@ -317,14 +319,12 @@ class RadixTree:
     def evict(self, params: EvictParams) -> EvictResult:
         """Cascade from low to high priority (``CacheComponent.priority``), each in its LRU
         order; locked data stays."""
-        before = [c.evictable + c.protected for c in self.components]
+        gone = {c.evicted_field: c.evictable + c.protected for c in self.components}
         for c in self._evict_order:
             amount = getattr(params, c.evict_param)
             if amount > 0:
                 c.evict(amount)
         self._flush_frees()
-        gone = {
-            c.evicted_field: b - c.evictable - c.protected
-            for c, b in zip(self.components, before, strict=True)
-        }
+        for c in self.components:
+            gone[c.evicted_field] -= c.evictable + c.protected
         return EvictResult(**gone)

@@ -16,7 +16,6 @@ from hyloop.cache.component_base import CacheComponent, TreeHook
 from hyloop.cache.component_recurrent import RecurrentComponent, SlotOwner
 from hyloop.cache.component_swa import SWAComponent
 from hyloop.cache.invariants import check_cache
-from hyloop.cache.node import TreeNode
 from hyloop.cache.params import IncLockRefResult, InsertParams, InsertResult
 from hyloop.cache.tree import RadixTree
 from hyloop.pools import KVPool, RecurrentPool
@@ -74,20 +73,6 @@ class UnifiedRadixCache(RadixTree):
         super().__init__(kv_allocator, page_size, aux, marks)
 
     # -- locks ----------------------------------------------------------------------------------
-    def inc_lock_ref(self, node: TreeNode) -> IncLockRefResult:
-        """Pin what a request at ``node`` reads: first the path is split where a component's
-        lock must start or end on a node boundary (``lock_cuts``), so it pins no more."""
-        if isinstance(node, TreeNode) and node.alive:
-            for c in self.aux:
-                for depth in c.lock_cuts(node):
-                    upper = node
-                    while upper.start_depth >= depth:
-                        assert upper.parent is not None
-                        upper = upper.parent
-                    if upper.start_depth < depth < upper.depth:
-                        self._split(upper, depth - upper.start_depth)
-        return super().inc_lock_ref(node)
-
     def release_before(self, receipt: IncLockRefResult, depth: int) -> IncLockRefResult:
         """Release what ``receipt``'s auxiliary locks pin of nodes ending at or before ``depth``
         (its holder's sliding window has moved past them; FULL stays locked). Returns the

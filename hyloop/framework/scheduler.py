@@ -21,7 +21,6 @@ import os
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from hyloop.cache import RadixKey
 from hyloop.cache.lease import RequestCache
 from hyloop.framework.config import SchedulerSection
 from hyloop.framework.faults import bare_output, describe, drop_chunk, is_engine_fault
@@ -96,7 +95,7 @@ class Scheduler:
     def _defers(self, req: Request) -> bool:
         """Whether an admitted, still-prefilling request is about to insert a prefix ``req``
         shares (so it would recompute it now and hit it one step later)."""
-        cached = self.cache.tree.peek_prefix_len(RadixKey(req.prompt_ids[:-1], req.extra_key))
+        cached = self.cache.cached_len(req.prompt_ids[:-1], req.extra_key)
         for other in self.running:
             if not other.prefill_done and other.extra_key == req.extra_key:
                 shared = len(os.path.commonprefix([req.prompt_ids[:-1], other.prompt_ids]))
