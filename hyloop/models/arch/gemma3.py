@@ -18,10 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyloop.graphs.step_batch import StepBatch
-from hyloop.models.arch.base import DecoderLM, head_rows
+from hyloop.models.arch.llama import DecoderLM, head_rows
 from hyloop.models.contract import contract_of
+from hyloop.models.layers.attention import QKVAttention
 from hyloop.models.layers.norm import RMSNorm
-from hyloop.models.layers.qkv_attention import QKVAttention
 from hyloop.models.layers.rope import RopeSpec, RotaryEmbedding
 from hyloop.models.registry import register, text_config
 

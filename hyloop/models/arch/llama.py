@@ -1,7 +1,12 @@
-"""Dense decoder-only transformers: Llama (SmolLM2 included), Qwen2 and Qwen3.
+"""Dense decoder-only transformers: Llama (SmolLM2 included), Qwen2 and Qwen3; and what every
+decoder-only causal LM here shares (``DecoderLM``: embeddings in, layers, norm, LM head out; the
+SwiGLU ``GatedMLP``).
 
 One class covers the family; the differences are config flags: Qwen2 adds a q/k/v bias, Qwen3
-adds per-head q/k RMSNorm and an explicit ``head_dim``.
+adds per-head q/k RMSNorm and an explicit ``head_dim``. Another architecture's model subclasses
+``DecoderLM``: it builds ``self.spec`` (with ``tie_word_embeddings``), ``self.model`` (with
+``embed_tokens``, ``layers`` and ``norm``) and ``self.lm_head``, calls ``tie_weights()`` and sets
+``self.contract`` (``models.contract.contract_of``).
 """
 
 from __future__ import annotations
@@ -10,16 +15,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hyloop.graphs.step_batch import StepBatch
-from hyloop.models.arch.base import DecoderLM
-from hyloop.models.contract import DecoderStackSpec, StackLayer, contract_of
-from hyloop.models.layers.mlp import GatedMLP
+from hyloop.models.blend import blend_forward
+from hyloop.models.contract import DecoderStackSpec, ModelContract, StackLayer, contract_of
+from hyloop.models.cpu import numerics  # noqa: F401  (defines hyloop::silu)
+from hyloop.models.layers.attention import QKVAttention
 from hyloop.models.layers.norm import RMSNorm
-from hyloop.models.layers.qkv_attention import QKVAttention
 from hyloop.models.layers.rope import RopeSpec, RotaryEmbedding
 from hyloop.models.registry import register, text_config
+from hyloop.models.weights import StackedParam
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,76 @@ class DenseSpec:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
         )
+
+
+class DecoderLM(nn.Module):
+    """``forward(batch) -> hidden [B, T, H]``; ``compute_logits(hidden [N, H]) -> fp32 [N, V]``."""
+
+    spec: object
+    contract: ModelContract
+    model: nn.Module
+    lm_head: nn.Linear
+    stacked_params = (
+        StackedParam("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+        StackedParam("gate_up_proj", ("gate_proj", "up_proj")),
+    )
+
+    def tie_weights(self) -> None:
+        if self.spec.tie_word_embeddings:  # type: ignore[attr-defined]
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def tied_weights(self) -> dict[str, str]:
+        if self.spec.tie_word_embeddings:  # type: ignore[attr-defined]
+            return {"lm_head.weight": "model.embed_tokens.weight"}
+        return {}
+
+    def forward(self, batch: StepBatch) -> torch.Tensor:
+        if batch.blend is not None:  # a prefill over reused KV (``contract.selective_recompute``)
+            return blend_forward(self.model, batch)
+        x = self.model.embed_tokens(batch.input_ids)
+        # A decode or verify step: every layer in one call where the compute path has a
+        # decoder stack (``models.cpu.DecoderStack``). Prefill chunks never (one-token ones
+        # included): a prompt's tokens always run the layers, so how a prefill is chunked
+        # changes no row.
+        decode = batch.is_decode or batch.verify
+        stack = getattr(batch.pools.compute, "stack", None) if decode else None
+        if stack is not None and stack.runs(x.shape[0]):
+            return stack(x, batch)
+        for layer in self.model.layers:
+            x = layer(x, batch)
+        return x
+
+    def compute_logits(
+        self, hidden: torch.Tensor, live: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``live`` (bool ``[N]``): rows whose logits are wanted (a verify step's real
+        positions); a head that can skip rows leaves the others' zeros."""
+        return head_rows(self.lm_head, self.model.norm(hidden), live).float()
+
+
+def head_rows(head: nn.Module, x: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
+    """``head(x)``, the rows ``live`` leaves out not computed where the head can skip them
+    (``skips_rows``: hyloop's panels)."""
+    if live is not None and getattr(head, "skips_rows", False):
+        return head(x, live=live)
+    return head(x)
+
+
+class GatedMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))``; ``gate_up_proj`` holds ``[gate; up]`` stacked on rows."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        # CPU: the SiLU the decoder stack's C++ computes (``models.cpu.numerics``).
+        act = torch.ops.hyloop.silu(gate) if gate.device.type == "cpu" else F.silu(gate)
+        return self.down_proj(act * up)
 
 
 class DecoderLayer(nn.Module):

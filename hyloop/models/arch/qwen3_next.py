@@ -16,12 +16,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyloop.graphs.step_batch import StepBatch
-from hyloop.models.arch.base import DecoderLM
+from hyloop.models.arch.llama import DecoderLM, GatedMLP
 from hyloop.models.contract import RecurrentLayers, contract_of
+from hyloop.models.layers.attention import QKVAttention
 from hyloop.models.layers.gdn import GatedDeltaNet, GDNDims
-from hyloop.models.layers.mlp import GatedMLP
 from hyloop.models.layers.norm import RMSNorm
-from hyloop.models.layers.qkv_attention import QKVAttention
 from hyloop.models.layers.rope import RopeSpec, RotaryEmbedding
 from hyloop.models.registry import register, text_config
 

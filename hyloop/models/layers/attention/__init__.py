@@ -6,13 +6,14 @@ from hyloop.models.layers.attention.backends import (
     TorchPath,
     compute_paths,
 )
-from hyloop.models.layers.attention.paged import AttentionMeta, PagedAttention
+from hyloop.models.layers.attention.paged import AttentionMeta, PagedAttention, QKVAttention
 
 __all__ = [
     "AttentionMeta",
     "CompiledPath",
     "NativePath",
     "PagedAttention",
+    "QKVAttention",
     "TorchPath",
     "compute_paths",
 ]
