@@ -18,7 +18,7 @@ from typing import Any
 from hyloop.api.engine_args import EngineArgs, EngineConfigs
 from hyloop.framework.engine import Engine
 from hyloop.framework.outputs import CompletionOutput, RequestOutput
-from hyloop.framework.requests import token_prompt
+from hyloop.framework.prompts import token_prompt
 from hyloop.framework.sampling_params import RequestOutputKind, SamplingParams
 
 

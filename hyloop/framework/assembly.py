@@ -188,7 +188,7 @@ def build_engine(
     scheduler = Scheduler(
         cache, cfg.scheduler, max_running, fence, tokenizer, kind.features, speculator
     )
-    recorder = StepRecorder(DeviceClock(device), graphs.capture_seconds)
+    recorder = StepRecorder(DeviceClock(device), graphs.runner)
     pipeline = StepPipeline(kind, graphs, scheduler, fence, recorder)
     derived = Derived(
         max_context=max_context,

@@ -2,7 +2,7 @@
 adds what its clients read, ``hyloop.api.engine``).
 
 ``Engine`` holds what assembly built and drives one of two loops over the step pipeline
-(``loops.SyncLoop`` or ``loops.OverlapLoop``). Going from idle to busy it tells the graphs a job
+(``pipeline.SyncLoop`` or ``loops.OverlapLoop``). Going from idle to busy it tells the graphs a job
 starts (``auto`` plans its captures then), and when it runs dry that the job is done. Threads:
 ``add_request`` and ``abort_request`` may be called from any thread; one made while ``step()``
 runs is applied at the step's end, as if made between the two steps.
@@ -20,16 +20,16 @@ from hyloop.cache.lease import RequestCache
 from hyloop.features.base import RequestContext
 from hyloop.framework.config import EngineConfig
 from hyloop.framework.faults import ENGINE_FAULTS, fail_all, stop_engine
-from hyloop.framework.loops import OverlapLoop, SyncLoop
+from hyloop.framework.loops import OverlapLoop
 from hyloop.framework.outputs import RequestOutput
-from hyloop.framework.pipeline import StepPipeline
-from hyloop.framework.requests import Request, new_request
-from hyloop.framework.sampling_params import NotSupportedError, SamplingParams
+from hyloop.framework.pipeline import StepPipeline, SyncLoop
+from hyloop.framework.prompts import new_request
+from hyloop.framework.requests import Request
+from hyloop.framework.sampling_params import NotSupportedError, SamplingParams, fold_seed
 from hyloop.framework.scheduler import Scheduler
 from hyloop.framework.stats import StepRecorder
 from hyloop.framework.step_kinds import StepKind
-from hyloop.graphs.capture import Graphs, Outlook
-from hyloop.graphs.sampler import fold_seed
+from hyloop.graphs.capture import Graphs
 
 if TYPE_CHECKING:
     from torch import nn
@@ -180,7 +180,8 @@ class Engine:
             if self.stopped is not None:  # what was queued as it stopped ends the same way
                 fail_all(self.scheduler, self.stopped)
             elif self._idle and self.scheduler.waiting:
-                self._start_job()
+                self._idle = False
+                self.pipeline.start_job()
             outputs = self.scheduler.take_outputs()
             try:
                 outputs += self._loop.step()
@@ -205,21 +206,8 @@ class Engine:
                 self.failed += out.outputs[0].finish_reason == "error"
         if not self.has_unfinished_requests() and not self._idle:
             self._idle = True
-            self.recorder.pause()  # waiting for new requests is no host time of this loop
-            self.graphs.job_done()
+            self.pipeline.end_job()
         return outputs
-
-    def _start_job(self) -> None:
-        """The engine goes from idle to busy: the graphs plan for what is queued."""
-        self._idle = False
-        sched = self.scheduler
-        first = [*sched.running, *sched.waiting][: sched.max_running]  # its first decode batch
-        # each request as the plan sees it: the columns its next decode step reads and the
-        # decode steps left in its budget
-        outlook = [Outlook(r.total_len, r.max_new - r.num_sampled) for r in sched.running]
-        outlook += [Outlook(len(r.prompt_ids) + 1, r.max_new - 1) for r in sched.waiting]
-        self.graphs.job_start(outlook, self.kind.mode(first))
-        self.recorder.note_captures()  # captured before any step began
 
     @property
     def capture_logits(self) -> bool:

@@ -13,7 +13,7 @@ requests from then on (``Engine.stopped``). Nothing is lost silently.
 
 A step that fails as a whole at launch (the model or a graph raised) is abandoned and re-raised
 from ``step()``, with its requests kept: the next ``step()`` runs them again
-(``loops.run_blocking``).
+(``pipeline.run_blocking``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from hyloop.framework.requests import Status
 from hyloop.pools import LedgerError
 
 if TYPE_CHECKING:
-    from hyloop.framework.loops import OverlapLoop, SyncLoop
+    from hyloop.framework.loops import OverlapLoop
+    from hyloop.framework.pipeline import SyncLoop
     from hyloop.framework.requests import Batch, Chunk, Request
     from hyloop.framework.scheduler import Scheduler
 

@@ -1,6 +1,5 @@
-"""The two loops over the step pipeline, which only order its calls.
-
-``SyncLoop``: schedule, launch and resolve each step on the calling thread.
+"""The overlapped loop over the step pipeline, which only orders its calls (the plain one,
+``pipeline.SyncLoop``, schedules, launches and resolves each step on the calling thread).
 
 ``OverlapLoop``: launch decode step N+1 before resolving step N.
 
@@ -38,58 +37,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from hyloop.framework.outputs import RequestOutput
-from hyloop.framework.pipeline import InflightStep, StepPipeline
-from hyloop.framework.requests import Batch
+from hyloop.framework.pipeline import (
+    InflightStep,
+    StepPipeline,
+    SyncLoop,
+    abandon_all,
+    run_blocking,
+)
 from hyloop.framework.stats import StepRecorder
 
-
-def run_blocking(
-    pipeline: StepPipeline, recorder: StepRecorder, batch: Batch, since: float
-) -> list[RequestOutput]:
-    """Prepare, launch and resolve ``batch`` on this thread (its scheduling began at ``since``)."""
-    pending = pipeline.prepare(batch)
-    if pending is None:  # each of its requests failed while it was prepared
-        return []
-    try:
-        launched = pipeline.launch(pending)
-    except BaseException:
-        pipeline.abandon(pending)
-        raise
-    outputs = pipeline.resolve(launched)
-    recorder.completed(launched.timing)
-    recorder.account(batch, launched.timing, since)
-    return outputs
-
-
-class SyncLoop:
-    """One step per call, resolved before it returns: nothing is in flight between calls."""
-
-    def __init__(self, pipeline: StepPipeline, recorder: StepRecorder) -> None:
-        self.pipeline = pipeline
-        self.recorder = recorder
-
-    @property
-    def busy(self) -> bool:
-        return False
-
-    def step(self) -> list[RequestOutput]:
-        t0 = self.recorder.now()
-        batch = self.pipeline.schedule()
-        if batch is None:
-            return []
-        return run_blocking(self.pipeline, self.recorder, batch, t0)
-
-    def reset(self) -> None:
-        abandon_all(self.pipeline)
-
-    def close(self) -> None:
-        return None
-
-
-def abandon_all(pipeline: StepPipeline) -> None:
-    """After an engine fault (``faults``): every prepared or launched step is given up."""
-    for pending in pipeline.unresolved():
-        pipeline.abandon(pending)
+__all__ = ["OverlapLoop", "SyncLoop"]
 
 
 Resolved = tuple[list[RequestOutput], InflightStep | None]

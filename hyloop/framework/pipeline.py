@@ -6,7 +6,7 @@ prepares the decode step that follows a launched one, before its sampled ids exi
 binds those ids on device (from the previous step's output), runs the step through the graphs
 and starts the copy of its ids to the host; ``resolve`` waits for that copy, retires the
 generation (what waited on the step is freed) and hands the tokens to the scheduler. The loops
-(``loops.SyncLoop``, ``loops.OverlapLoop``) only order these calls.
+(``SyncLoop`` here, ``loops.OverlapLoop``) only order these calls.
 
 Every prepared step stays registered until it is resolved, so the ledger checks can ask what
 launched steps still read (``check_unresolved``) and which track slots they hold.
@@ -26,7 +26,7 @@ from hyloop.framework.requests import Batch, Chunk, Status
 from hyloop.framework.scheduler import Scheduler
 from hyloop.framework.stats import StepRecorder, StepTiming
 from hyloop.framework.step_kinds import StepKind
-from hyloop.graphs.capture import Graphs
+from hyloop.graphs.capture import Graphs, Outlook
 from hyloop.graphs.step_batch import StepBatch, StepOutput
 from hyloop.pools import SlotRole, StepFence
 
@@ -65,6 +65,23 @@ class StepPipeline:
         self.device = kind.device
         self.capture_logits = False  # debug: keep the logits of every sampled token
         self._unresolved: dict[int, InflightStep] = {}
+
+    # -- jobs -----------------------------------------------------------------------------------
+    def start_job(self) -> None:
+        """The engine goes from idle to busy: the graphs plan for what is queued."""
+        sched = self.scheduler
+        first = [*sched.running, *sched.waiting][: sched.max_running]  # its first decode batch
+        # each request as the plan sees it: the columns its next decode step reads and the
+        # decode steps left in its budget
+        outlook = [Outlook(r.total_len, r.max_new - r.num_sampled) for r in sched.running]
+        outlook += [Outlook(len(r.prompt_ids) + 1, r.max_new - 1) for r in sched.waiting]
+        self.graphs.job_start(outlook, self.kind.mode(first))
+        self.recorder.note_captures()  # captured before any step began
+
+    def end_job(self) -> None:
+        """The engine ran dry: waiting for new requests is no host time of this loop."""
+        self.recorder.pause()
+        self.graphs.job_done()
 
     # -- prepare --------------------------------------------------------------------------------
     def schedule(self) -> Batch | None:
@@ -228,6 +245,55 @@ class StepPipeline:
                 slot = c.req.lease.state_slot if c.req.lease is not None else 0
                 if slot and recurrent.role_of(slot) is SlotRole.FREE:
                     raise AssertionError(f"state slot {slot} is free while step {p.gen} uses it")
+
+
+def run_blocking(
+    pipeline: StepPipeline, recorder: StepRecorder, batch: Batch, since: float
+) -> list[RequestOutput]:
+    """Prepare, launch and resolve ``batch`` on this thread (its scheduling began at ``since``)."""
+    pending = pipeline.prepare(batch)
+    if pending is None:  # each of its requests failed while it was prepared
+        return []
+    try:
+        launched = pipeline.launch(pending)
+    except BaseException:
+        pipeline.abandon(pending)
+        raise
+    outputs = pipeline.resolve(launched)
+    recorder.completed(launched.timing)
+    recorder.account(batch, launched.timing, since)
+    return outputs
+
+
+class SyncLoop:
+    """One step per call, resolved before it returns: nothing is in flight between calls."""
+
+    def __init__(self, pipeline: StepPipeline, recorder: StepRecorder) -> None:
+        self.pipeline = pipeline
+        self.recorder = recorder
+
+    @property
+    def busy(self) -> bool:
+        return False
+
+    def step(self) -> list[RequestOutput]:
+        t0 = self.recorder.now()
+        batch = self.pipeline.schedule()
+        if batch is None:
+            return []
+        return run_blocking(self.pipeline, self.recorder, batch, t0)
+
+    def reset(self) -> None:
+        abandon_all(self.pipeline)
+
+    def close(self) -> None:
+        return None
+
+
+def abandon_all(pipeline: StepPipeline) -> None:
+    """After an engine fault (``faults``): every prepared or launched step is given up."""
+    for pending in pipeline.unresolved():
+        pipeline.abandon(pending)
 
 
 def _host_copy(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
+import hashlib
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -33,6 +34,16 @@ MAX_N = 1000  # samples per request
 # set away from this (vLLM's) neutral value. (Per-request Python logits processors would put
 # host code inside the captured step; vLLM v1 dropped the per-request field as well.)
 NOT_YET: dict[str, object] = {"logits_processors": None}
+
+
+def fold_seed(seed: int) -> int:
+    """Any Python int as the int64 a request table holds: ``[0, 2**64)`` as itself (two's
+    complement), anything else by a 64-bit hash of all its bytes, so no two seeds collide by
+    truncation (0, 2**32 and 2**70 all differ)."""
+    if not 0 <= seed < 1 << 64:
+        raw = seed.to_bytes((seed.bit_length() + 8) // 8, "little", signed=True)
+        seed = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 
 def bad(where: str, name: str, value: object, expected: str) -> ValueError:

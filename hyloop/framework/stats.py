@@ -166,10 +166,10 @@ class StepStats:
 
 
 class StepRecorder:
-    def __init__(self, clock: DeviceClock, capture_seconds: Callable[[], float]) -> None:
+    def __init__(self, clock: DeviceClock, runner: Any) -> None:
         self.clock = clock
         self.stats = StepStats()
-        self._cap = capture_seconds
+        self._runner = runner  # its ``capture_seconds``: capturing (compiling) so far
         self._capture_seen = 0.0
         self.on_decode: Callable[[Batch, float], None] | None = None  # a decode step's wall
 
@@ -177,11 +177,13 @@ class StepRecorder:
 
     def launched(self, batch: Batch) -> StepTiming:
         """A launch begins: its host clock and, on CUDA, the event before the step."""
-        return StepTiming(time.perf_counter(), self.clock.begin(batch.is_decode), self._cap())
+        return StepTiming(
+            time.perf_counter(), self.clock.begin(batch.is_decode), self._runner.capture_seconds
+        )
 
     def queued(self, timing: StepTiming) -> None:
         """The step is queued on the device: its end event (before any copy to the host)."""
-        self.clock.end(timing.marks, captured=self._cap() > timing.captured_before)
+        self.clock.end(timing.marks, captured=self._runner.capture_seconds > timing.captured_before)
 
     def returned(self, timing: StepTiming) -> None:
         """The launch returned (on CPU: the step ran and its ids are on the host)."""
@@ -190,7 +192,7 @@ class StepRecorder:
     def account(self, batch: Batch, timing: StepTiming, since: float) -> None:
         """A step whose scheduling began at ``since`` and whose launch took ``timing``."""
         s = self.stats
-        captured = self._cap()
+        captured = self._runner.capture_seconds
         cap, self._capture_seen = captured - self._capture_seen, captured
         s.capture_time += cap
         wall, exec_time = time.perf_counter() - since - cap, timing.exec_s - cap
@@ -211,7 +213,7 @@ class StepRecorder:
 
     def note_captures(self) -> None:
         """Captures made outside any step (a job's planned captures) count as capture time."""
-        captured = self._cap()
+        captured = self._runner.capture_seconds
         self.stats.capture_time += captured - self._capture_seen
         self._capture_seen = captured
 

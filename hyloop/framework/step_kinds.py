@@ -26,7 +26,6 @@ from hyloop.framework import FEATURES
 from hyloop.framework.requests import Batch, Chunk, Request, Status
 from hyloop.framework.sampling_params import SamplingParams
 from hyloop.graphs.capture import ArtifactKey
-from hyloop.graphs.ops import scatter_track_slots
 from hyloop.graphs.sampler import candidate_cap, token_hashes
 from hyloop.graphs.step_batch import GREEDY, RequestTable, StepBatch, StepPools, column
 
@@ -40,30 +39,6 @@ class TokenSampling(RequestTable):
     top_k: torch.Tensor = column(torch.int64, -1, lambda r: r.params.filter_top_k)
     top_p: torch.Tensor = column(torch.float32, 1.0, lambda r: r.params.filter_top_p)
     seed: torch.Tensor = column(torch.int64, 0, lambda r: r.seed64)
-
-
-def forward_all(model: nn.Module, batch: StepBatch) -> torch.Tensor:
-    """The model's hidden states ``[B, T, H]``; recurrent layers publish their state into the
-    rows' track slots (rows without a boundary write slot 0)."""
-    # NOTE: a captured step replays one view, so the per-step memo starts afresh each call
-    # (stored, never read: no guard depends on what the last replay left there).
-    batch.meta = {}
-    hidden = model(batch)
-    recurrent = batch.pools.recurrent
-    if recurrent is not None:
-        for buf in (*recurrent.temporal, *recurrent.conv):
-            scatter_track_slots(buf, batch.state_slots, batch.track_slots)
-    return hidden
-
-
-def last_rows(hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-    """Each row's hidden state at its last real position ``[B, H]``."""
-    rows = torch.arange(hidden.shape[0], device=hidden.device)
-    return hidden[rows, batch.last_index]
-
-
-def forward_last(model: nn.Module, batch: StepBatch) -> torch.Tensor:
-    return last_rows(forward_all(model, batch), batch)
 
 
 class StepKind:

@@ -10,13 +10,39 @@ are the raw model's. The step's own sampled ids then update what each feature ke
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-from hyloop.framework.step_kinds import StepKind, TokenSampling, forward_all, last_rows
+from hyloop.framework.step_kinds import StepKind, TokenSampling
+from hyloop.graphs.ops import scatter_track_slots
 from hyloop.graphs.sampler import sample, token_logprobs
 from hyloop.graphs.step_batch import StepBatch, StepOutput
 from hyloop.speculative.verify import verify
 
 PROMPT_SLICE = 64  # prompt positions whose logits one pass of _prompt_logprobs holds
+
+
+def forward_all(model: nn.Module, batch: StepBatch) -> torch.Tensor:
+    """The model's hidden states ``[B, T, H]``; recurrent layers publish their state into the
+    rows' track slots (rows without a boundary write slot 0)."""
+    # NOTE: a captured step replays one view, so the per-step memo starts afresh each call
+    # (stored, never read: no guard depends on what the last replay left there).
+    batch.meta = {}
+    hidden = model(batch)
+    recurrent = batch.pools.recurrent
+    if recurrent is not None:
+        for buf in (*recurrent.temporal, *recurrent.conv):
+            scatter_track_slots(buf, batch.state_slots, batch.track_slots)
+    return hidden
+
+
+def last_rows(hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+    """Each row's hidden state at its last real position ``[B, H]``."""
+    rows = torch.arange(hidden.shape[0], device=hidden.device)
+    return hidden[rows, batch.last_index]
+
+
+def forward_last(model: nn.Module, batch: StepBatch) -> torch.Tensor:
+    return last_rows(forward_all(model, batch), batch)
 
 
 class TokenStep(StepKind):

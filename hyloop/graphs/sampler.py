@@ -11,7 +11,6 @@ bit-identical on CPU and GPU.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Iterable
 
 import torch
@@ -30,16 +29,6 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
     x = x ^ (x >> 15)
     x = (x * _C2) & _M32
     return x ^ (x >> 16)
-
-
-def fold_seed(seed: int) -> int:
-    """Any Python int as the int64 a request table holds: ``[0, 2**64)`` as itself (two's
-    complement), anything else by a 64-bit hash of all its bytes, so no two seeds collide by
-    truncation (0, 2**32 and 2**70 all differ)."""
-    if not 0 <= seed < 1 << 64:
-        raw = seed.to_bytes((seed.bit_length() + 8) // 8, "little", signed=True)
-        seed = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
-    return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 
 def seed_hash(seeds: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from hyloop.api.engine_args import EngineArgs
-from hyloop.framework.requests import row_prompt
+from hyloop.framework.prompts import row_prompt
 from hyloop.recipes.job import JobSignals, check_strings, read_input, row_key, row_seed
 from hyloop.recipes.job_output import JobOutput, fingerprint
 from hyloop.recipes.offline import check_model

@@ -20,7 +20,8 @@ import torch
 
 from hyloop.framework.requests import Chunk, Request
 from hyloop.framework.sampling_params import FrameSamplingParams, SamplingParams
-from hyloop.framework.step_kinds import StepKind, forward_last
+from hyloop.framework.step_kinds import StepKind
+from hyloop.framework.token_step import forward_last
 from hyloop.graphs.ops import row_keys
 from hyloop.graphs.step_batch import RequestTable, StepBatch, StepOutput, column
 from hyloop.models.arch.moss_tts_local import FrameSampling

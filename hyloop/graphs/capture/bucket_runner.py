@@ -117,7 +117,7 @@ class BucketRunner:
         )
         self._eager_steps = 0
         self._warned: set[str] = set()
-        self._capture_s = 0.0
+        self.capture_seconds = 0.0  # capturing (compiling) so far
         self.capture_times: dict[ArtifactKey, float] = {}  # seconds each artifact took
 
     # -- capture --------------------------------------------------------------------------------
@@ -173,7 +173,7 @@ class BucketRunner:
             artifact = self._build(key, view)
         self._artifacts[key] = artifact
         elapsed = time.perf_counter() - start
-        self._capture_s += elapsed
+        self.capture_seconds += elapsed
         self.capture_times[key] = elapsed
         log.info("%s: captured %s with %s in %.2fs", self.name, key.label(), self.backend, elapsed)
         return artifact
@@ -291,10 +291,6 @@ class BucketRunner:
         return self._counts["graph_replays"]
 
     @property
-    def capture_seconds(self) -> float:
-        return self._capture_s
-
-    @property
     def recompiles(self) -> int:
         return sum(c.recompiles for c in self._compiled)
 
@@ -306,5 +302,5 @@ class BucketRunner:
             "eager_steps": self._eager_steps,
             "recompiles": self.recompiles,
             "captured": [k.fields() for k in sorted(self._artifacts)],
-            "capture_s": round(self._capture_s, 3),
+            "capture_s": round(self.capture_seconds, 3),
         }

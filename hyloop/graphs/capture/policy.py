@@ -109,7 +109,7 @@ class Graphs:
         t0 = time.perf_counter()
         out = self.runner.run(batch, on_staged)
         elapsed = time.perf_counter() - t0
-        bucket = pick_bucket(self.buckets, batch.batch_size)
+        bucket = pick_bucket(self.buckets, len(batch.req_rows))
         if bucket is not None and self.history is not None:  # split batches: no bucket's figure
             path = self.backend if self.runner.replays > replays else "eager"
             self.history.record_step(path, bucket, elapsed)
@@ -212,10 +212,6 @@ class Graphs:
         return self.runner.capture_times[key]
 
     # -- report ---------------------------------------------------------------------------------
-    def capture_seconds(self) -> float:
-        """Seconds spent capturing (compiling) artifacts so far."""
-        return self.runner.capture_seconds
-
     def stats(self) -> dict[str, Any]:
         st = self.runner.stats()
         return {
