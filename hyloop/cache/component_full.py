@@ -1,14 +1,71 @@
-"""FULL component: the KV backbone of every node, path-to-root locks, leaf-first LRU eviction."""
+"""FULL component: the KV backbone of every node, path-to-root locks, leaf-first LRU eviction
+from a persistent lazy heap (updated as nodes are touched, locked, split and removed, never
+rebuilt per eviction: rebuilding a heap over every leaf on each evict is the known hot spot of
+saturated radix caches)."""
 
 from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from hyloop.cache.component_base import CacheComponent, ComponentHost, check_pages
-from hyloop.cache.lru import LeafHeap
 from hyloop.cache.node import FULL, TreeNode
 from hyloop.pools.page_allocator import PageAllocator
+
+
+class LeafHeap:
+    """Lazy min-heap of ``(last_access, node_id, node)`` over evictable FULL leaves.
+
+    A touched leaf pushes a fresh entry instead of moving the old one, so entries are validated
+    when popped. ``node.heap_stamp`` is the newest entry's stamp, so a node is not pushed twice
+    for one stamp. The heap is rebuilt only when stale entries far outnumber live leaves.
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, TreeNode]] = []
+
+    @staticmethod
+    def _stamp_of(node: TreeNode) -> int:
+        return node.component_data[FULL].last_access
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def push(self, node: TreeNode) -> None:
+        stamp = self._stamp_of(node)
+        if node.heap_stamp == stamp:
+            return
+        node.heap_stamp = stamp
+        heapq.heappush(self._heap, (stamp, node.id, node))
+
+    def pop_valid(self, is_evictable: Callable[[TreeNode], bool]) -> TreeNode | None:
+        heap = self._heap
+        while heap:
+            stamp, _, node = heapq.heappop(heap)
+            if node.heap_stamp == stamp:
+                node.heap_stamp = -1
+            if node.alive and stamp == self._stamp_of(node) and is_evictable(node):
+                return node
+        return None
+
+    def maybe_rebuild(self, evictable: Callable[[], list[TreeNode]], num_leaves: int) -> None:
+        if len(self._heap) <= max(1024, 4 * num_leaves):
+            return
+        for _, _, node in self._heap:
+            node.heap_stamp = -1
+        entries = []
+        for node in evictable():
+            stamp = self._stamp_of(node)
+            node.heap_stamp = stamp
+            entries.append((stamp, node.id, node))
+        heapq.heapify(entries)
+        self._heap = entries
+
+    def has_entry(self, node: TreeNode) -> bool:
+        return node.heap_stamp == self._stamp_of(node)
 
 
 class FullComponent(CacheComponent):

@@ -192,10 +192,10 @@ class RadixTree:
         nodes = path[:i] + ([self._split(path[i], m)] if m else [])
         node = nodes[-1] if nodes else self.root
         stamp = self._tick()
-        fields: dict[str, Any] = {}
         for c in self.components:
             c.on_match(node, stamp)
-            fields.update(c.match_fields(node))
+        # FULL's part of the result (the prefix and its slots) is the core's; the others add theirs
+        fields = {k: v for c in self.aux for k, v in c.match_fields(node).items()}
         return MatchResult(
             prefix_len=node.depth,
             last_node=node,
