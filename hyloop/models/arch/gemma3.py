@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyloop.graphs.step_batch import StepBatch
-from hyloop.models.arch.llama import DecoderLM, head_rows
+from hyloop.models.arch.llama import DecoderLM
 from hyloop.models.contract import contract_of
 from hyloop.models.layers.attention import QKVAttention
 from hyloop.models.layers.norm import RMSNorm
@@ -185,18 +185,14 @@ class Gemma3CausalLM(DecoderLM):
             self, vocab_size=spec.vocab_size, max_positions=spec.max_positions, kv_windows=windows
         )
 
-    def forward(self, batch: StepBatch) -> torch.Tensor:
-        x = self.model.embed_tokens(batch.input_ids)
-        # NOTE: HF rounds the scale to the weight dtype before multiplying.
-        x = x * x.new_full((), self.embed_scale)
-        for layer in self.model.layers:
-            x = layer(x, batch)
-        return x
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        return x * x.new_full((), self.embed_scale)  # NOTE: HF rounds the scale to the dtype
 
     def compute_logits(
         self, hidden: torch.Tensor, live: torch.Tensor | None = None
     ) -> torch.Tensor:
-        logits = head_rows(self.lm_head, self.model.norm(hidden), live).float()
+        logits = super().compute_logits(hidden, live)
         cap = self.spec.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -110,7 +110,7 @@ class DecoderLM(nn.Module):
     def forward(self, batch: StepBatch) -> torch.Tensor:
         if batch.blend is not None:  # a prefill over reused KV (``contract.selective_recompute``)
             return blend_forward(self.model, batch)
-        x = self.model.embed_tokens(batch.input_ids)
+        x = self.embed(batch.input_ids)
         # A decode or verify step: every layer in one call where the compute path has a
         # decoder stack (``models.cpu.DecoderStack``). Prefill chunks never (one-token ones
         # included): a prompt's tokens always run the layers, so how a prefill is chunked
@@ -122,6 +122,9 @@ class DecoderLM(nn.Module):
         for layer in self.model.layers:
             x = layer(x, batch)
         return x
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
 
     def compute_logits(
         self, hidden: torch.Tensor, live: torch.Tensor | None = None
