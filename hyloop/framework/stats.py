@@ -35,11 +35,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hyloop.framework.requests import Batch
+
+if TYPE_CHECKING:
+    from hyloop.graphs.capture.bucket_runner import BucketRunner
 
 
 @dataclass
@@ -166,7 +169,7 @@ class StepStats:
 
 
 class StepRecorder:
-    def __init__(self, clock: DeviceClock, runner: Any) -> None:
+    def __init__(self, clock: DeviceClock, runner: BucketRunner) -> None:
         self.clock = clock
         self.stats = StepStats()
         self._runner = runner  # its ``capture_seconds``: capturing (compiling) so far
