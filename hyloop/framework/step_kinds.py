@@ -26,7 +26,7 @@ from hyloop.framework import FEATURES
 from hyloop.framework.requests import Batch, Chunk, Request, Status
 from hyloop.framework.sampling_params import SamplingParams
 from hyloop.graphs.capture import ArtifactKey
-from hyloop.graphs.sampler import candidate_cap, token_hashes
+from hyloop.graphs.sampler import token_hashes
 from hyloop.graphs.step_batch import GREEDY, RequestTable, StepBatch, StepPools, column
 
 
@@ -82,7 +82,7 @@ class StepKind:
     # -- what a batch samples with --------------------------------------------------------------
     def filter_group(self, params: SamplingParams) -> tuple[float, int, float]:
         """``(temperature, top_k, top_p)`` of the distribution whose filters size the step's
-        sampler (``sampler.candidate_cap``)."""
+        sampler (``candidate_cap``)."""
         return (params.sampling_temperature, params.filter_top_k, params.filter_top_p)
 
     def samples(self, params: SamplingParams) -> bool:
@@ -149,10 +149,12 @@ class StepKind:
         table, req = self.pools.requests, chunk.req
         assert table is not None
         row = _lease(chunk).req_row
-        if table.take(row, req, req.features):
-            for f in self.features:
-                if f.name in req.features:
-                    f.take(table, row, req.features[f.name])
+        if table.owners[row] is req:
+            return
+        table.take(row, req, {n: of(req) for n, of in table.sources(req.features).items()})
+        for f in self.features:
+            if f.name in req.features:
+                f.take(table, row, req.features[f.name])
 
     def _decode(self, chunks: list[Chunk], planned: bool, **static: Any) -> StepBatch:
         """Every per-row int goes to the device in one tensor; the new tokens' KV slots are
@@ -299,3 +301,22 @@ def _lease(c: Chunk) -> Lease:
 def _out_pos(chunks: list[Chunk]) -> list[int]:
     """The output index each chunk samples at (a mid-prompt chunk's token is discarded)."""
     return [c.out_pos if c.out_pos >= 0 else len(c.req.output_ids) for c in chunks]
+
+
+def candidate_cap(groups: Iterable[tuple[float, int, float]], vocab: int) -> int:
+    """The static candidate count of a batch's sampler from each row's ``(temperature, top_k,
+    top_p)`` (``top_k == -1``: off): 0 when no sampling row filters (plain Gumbel-max over the
+    vocabulary), else the next power of two covering every sampling row's top-k (few distinct
+    artifacts), or the whole vocabulary when some sampling row keeps more than a top-k (no top-k,
+    or top-p alone). Sampling over the capped candidates is exact: a row's top-k lies within
+    them and nothing outside its top-k can be drawn."""
+    widest, filtering = 0, False
+    for temperature, top_k, top_p in groups:
+        if temperature <= 0:
+            continue
+        k = vocab if top_k == -1 else min(top_k, vocab)
+        filtering = filtering or k < vocab or top_p < 1.0
+        widest = max(widest, k)
+    if not filtering:
+        return 0
+    return min(vocab, 1 << (widest - 1).bit_length())

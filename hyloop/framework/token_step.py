@@ -15,7 +15,7 @@ from torch import nn
 from hyloop.framework.step_kinds import StepKind, TokenSampling
 from hyloop.graphs.ops import scatter_track_slots
 from hyloop.graphs.sampler import sample, token_logprobs
-from hyloop.graphs.step_batch import StepBatch, StepOutput
+from hyloop.graphs.step_batch import GREEDY, StepBatch, StepOutput
 from hyloop.speculative.verify import verify
 
 PROMPT_SLICE = 64  # prompt positions whose logits one pass of _prompt_logprobs holds
@@ -36,9 +36,9 @@ def forward_all(model: nn.Module, batch: StepBatch) -> torch.Tensor:
 
 
 def last_rows(hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:
-    """Each row's hidden state at its last real position ``[B, H]``."""
+    """Each row's hidden state at its last real position ``[B, H]`` (a padding row's first)."""
     rows = torch.arange(hidden.shape[0], device=hidden.device)
-    return hidden[rows, batch.last_index]
+    return hidden[rows, (batch.extend_lens - 1).clamp_min(0)]
 
 
 def forward_last(model: nn.Module, batch: StepBatch) -> torch.Tensor:
@@ -84,7 +84,7 @@ class TokenStep(StepKind):
             batch.out_pos,
             self.tok_hash,
             batch.top_cap,
-            batch.greedy_only,
+            bool(batch.features & GREEDY),
             argmax=batch.pools.compute.argmax,
         )
         for f in applied:

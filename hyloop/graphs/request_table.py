@@ -1,7 +1,8 @@
 """Per-request device tensors a step reads like a pool: ``RequestTable`` and its ``column``s.
 
-A column is declared once, with where its value comes from; a request's values are written once,
-when it takes its req->token row (``take``), and a step reads them through its ``req_rows``.
+A column is declared once, with where its value comes from (``sources``); the step kind computes
+a request's values once, when it takes its req->token row (``take``), and a step reads them
+through its ``req_rows``. The table never calls back into the code that declared its columns.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class RequestTable:
     the last row is the padding request's and keeps the pad values."""
 
     def __post_init__(self) -> None:
-        self._owner: list[Any] = []
+        self.owners: list[Any] = []  # the request holding each row
 
     @classmethod
     def columns(cls) -> dict[str, Column]:
@@ -63,19 +64,23 @@ class RequestTable:
             shape = tuple(dims[d] if isinstance(d, str) else d for d in c.shape)
             tensors[name] = torch.full((rows, *shape), c.pad, dtype=c.dtype, device=device)
         table = cls(**tensors)
-        table._owner = [None] * rows
+        table.owners = [None] * rows
         return table
 
-    def take(self, row: int, req: Any, uses: Container[str] = ()) -> bool:
-        """``req`` holds ``row`` now: write its values there (host, once per request); a column
-        of a feature not in ``uses`` takes its pad value. False when it held it already."""
-        if self._owner[row] is req:
-            return False
-        self._owner[row] = req
+    @classmethod
+    def sources(cls, uses: Container[str] = ()) -> dict[str, Callable[[Any], Any]]:
+        """Each column a request using the features ``uses`` takes a value for, and where it
+        comes from (``of``); the rest take their pad value (a feature's, when not used)."""
+        cols = cls.columns().items()
+        return {n: c.of for n, c in cols if c.of and (c.owner is None or c.owner in uses)}
+
+    def take(self, row: int, req: Any, values: dict[str, Any]) -> None:
+        """``req`` holds ``row`` now: write its ``values`` there (host, once per request: see
+        ``owners``); a column not in ``values`` takes its pad value."""
+        self.owners[row] = req
         for name, c in self.columns().items():
             t: torch.Tensor = getattr(self, name)
-            skip = c.of is None or (c.owner is not None and c.owner not in uses)
-            value = None if skip else c.of(req)
+            value = values.get(name)
             if c.marks:
                 t[row] = c.pad
                 if value is not None and len(value):
@@ -86,4 +91,3 @@ class RequestTable:
                 t[row] = value
             else:
                 t[row].copy_(torch.as_tensor(value, dtype=c.dtype), non_blocking=True)
-        return True

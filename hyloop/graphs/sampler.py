@@ -11,7 +11,7 @@ bit-identical on CPU and GPU.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
 
@@ -63,25 +63,6 @@ def uniform(h: torch.Tensor) -> torch.Tensor:
     return (((h >> 8).float() + 0.5) * (1.0 / (1 << 24))).clamp_max(_BELOW_ONE)
 
 
-def candidate_cap(groups: Iterable[tuple[float, int, float]], vocab: int) -> int:
-    """The static candidate count of a batch's sampler from each row's ``(temperature, top_k,
-    top_p)`` (``top_k == -1``: off): 0 when no sampling row filters (plain Gumbel-max over the
-    vocabulary), else the next power of two covering every sampling row's top-k (few distinct
-    artifacts), or the whole vocabulary when some sampling row keeps more than a top-k (no top-k,
-    or top-p alone). Sampling over the capped candidates is exact: a row's top-k lies within
-    them and nothing outside its top-k can be drawn."""
-    widest, filtering = 0, False
-    for temperature, top_k, top_p in groups:
-        if temperature <= 0:
-            continue
-        k = vocab if top_k == -1 else min(top_k, vocab)
-        filtering = filtering or k < vocab or top_p < 1.0
-        widest = max(widest, k)
-    if not filtering:
-        return 0
-    return min(vocab, 1 << (widest - 1).bit_length())
-
-
 # Largest cap for a ``topk`` kernel (hyloop::topk_rows): its insertion costs grow with k.
 NATIVE_TOPK_MAX = 64
 TopK = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
@@ -104,9 +85,9 @@ def sample(
 
     ``top_k`` is the number of tokens kept (``-1`` or ``>= V`` to disable), ``top_p`` the
     nucleus mass (1.0 to disable). ``top_cap`` is static per captured artifact
-    (``candidate_cap``): 0 samples the whole vocabulary unfiltered; otherwise each row samples
-    among its ``top_cap`` largest logits (a ``topk``, or a full sort when the cap is the
-    vocabulary), which hold its top-k.
+    (``step_kinds.candidate_cap``): 0 samples the whole vocabulary unfiltered; otherwise each
+    row samples among its ``top_cap`` largest logits (a ``topk``, or a full sort when the cap
+    is the vocabulary), which hold its top-k.
     ``greedy_only`` (static) skips the noise when every row is greedy; the result is the same
     argmax either way. ``topk`` (the CPU kernel ``hyloop::topk_rows``, ties to the lower index)
     takes a cap of at most ``NATIVE_TOPK_MAX`` candidates; ``argmax`` (the CPU kernel

@@ -30,10 +30,9 @@ __all__ = [
     "StepOutput",
     "StepPools",
     "column",
-    "check_batch",
     "feature_bit",
     "feature_names",
-    "row_fields",
+    "ROW_FIELDS",
 ]
 
 # A step's static ``features``: one bit per per-request feature it applies, named when the
@@ -105,7 +104,7 @@ class StepBatch:
     # static: a verify step (``hyloop.speculative``): row b's positions after the first are
     # its drafts, each position is sampled, and the output counts the tokens each row keeps
     verify: bool = False
-    top_cap: int = 0  # static: sampler candidates (``sampler.candidate_cap``)
+    top_cap: int = 0  # static: sampler candidates (``step_kinds.candidate_cap``)
     num_logprobs: int = 0  # static: top logprobs returned per row
     keep_logits: bool = False  # static: the output keeps the logits
     # static: the bits of the per-request features the step applies (``feature_bit``) and
@@ -129,19 +128,6 @@ class StepBatch:
         """The sampling mode an artifact is specialised on besides its two sizes."""
         return (self.top_cap, self.num_logprobs, self.features)
 
-    @property
-    def greedy_only(self) -> bool:
-        return bool(self.features & GREEDY)
-
-    @property
-    def seq_lens(self) -> torch.Tensor:
-        return self.prefix_lens + self.extend_lens
-
-    @property
-    def last_index(self) -> torch.Tensor:
-        """Index (within T) of each row's last real token; 0 for padding rows."""
-        return (self.extend_lens - 1).clamp_min(0)
-
     def live_positions(self) -> torch.Tensor:
         """``[B, T]`` bool: whether each position is one of its row's real new tokens."""
         t = torch.arange(self.input_ids.shape[1], device=self.input_ids.device)
@@ -149,7 +135,7 @@ class StepBatch:
 
     def rows(self, start: int, stop: int) -> StepBatch:
         """Rows ``[start, stop)`` as views (a piece of a batch split across buckets)."""
-        sliced: dict[str, Any] = {f.name: getattr(self, f.name)[start:stop] for f in row_fields()}
+        sliced: dict[str, Any] = {f.name: getattr(self, f.name)[start:stop] for f in ROW_FIELDS}
         if self.blend is not None:
             b = self.blend
             sliced["blend"] = dataclasses.replace(
@@ -158,11 +144,8 @@ class StepBatch:
         return dataclasses.replace(self, **sliced, meta={})
 
 
-def row_fields() -> tuple[dataclasses.Field[Any], ...]:
-    return _ROW_FIELDS
-
-
-_ROW_FIELDS = tuple(f for f in dataclasses.fields(StepBatch) if "pad" in f.metadata)
+# The per-row tensors of a ``StepBatch`` (declared with ``_row``), in order.
+ROW_FIELDS = tuple(f for f in dataclasses.fields(StepBatch) if "pad" in f.metadata)
 
 
 def feature_bit(name: str, flag: str | None = None) -> int:
@@ -220,26 +203,3 @@ class StepOutput:
             ts = [getattr(p, f.name) for p in parts]
             joined[f.name] = None if ts[0] is None else torch.cat(ts)
         return StepOutput(**joined)
-
-
-def check_batch(batch: StepBatch) -> None:
-    """Shapes, dtypes and static values of ``batch``; reads no tensor value (no host sync)."""
-    b = batch.batch_size
-    if b < 1:
-        raise ValueError(f"StepBatch.input_ids: batch size {b}, expected >= 1")
-    lead = tuple(batch.input_ids.shape[:2])
-    for f in row_fields():
-        t = getattr(batch, f.name)
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.int64:
-            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
-            raise TypeError(f"StepBatch.{f.name}: {got}, expected an int64 tensor")
-        want = lead if f.metadata["tokens"] else (b,)
-        dims = (2, 3) if f.name == "input_ids" else (len(want),)
-        if tuple(t.shape[: len(want)]) != want or t.dim() not in dims:
-            raise ValueError(f"StepBatch.{f.name}: shape {tuple(t.shape)}, expected {want}")
-        if t.device != batch.input_ids.device:
-            raise ValueError(f"StepBatch.{f.name}: on {t.device}, expected input_ids' device")
-    for name, low in (("kv_len", 1), ("top_cap", 0), ("num_logprobs", 0)):
-        value = getattr(batch, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"StepBatch.{name}: {value!r}, expected an int >= {low}")

@@ -23,7 +23,7 @@ from hyloop.framework.sampling_params import FrameSamplingParams, SamplingParams
 from hyloop.framework.step_kinds import StepKind
 from hyloop.framework.token_step import forward_last
 from hyloop.graphs.ops import row_keys
-from hyloop.graphs.step_batch import RequestTable, StepBatch, StepOutput, column
+from hyloop.graphs.step_batch import GREEDY, RequestTable, StepBatch, StepOutput, column
 from hyloop.models.arch.moss_tts_local import FrameSampling
 
 HISTORY_FRAMES = 64  # frames of repetition history kept per request (its window may be shorter)
@@ -72,7 +72,7 @@ class FrameStep(StepKind):
         self.end_id = rows.end_id
 
     def filter_group(self, params: SamplingParams) -> tuple[float, int, float]:
-        """The audio codes size the sampler (``sampler.candidate_cap``); the two-way stop head
+        """The audio codes size the sampler (``step_kinds.candidate_cap``); the two-way stop head
         samples over both candidates whatever the row asks."""
         f = params.frame or _DEFAULTS
         return (f.audio_temperature, f.audio_top_k, f.audio_top_p)
@@ -118,7 +118,7 @@ class FrameStep(StepKind):
             seeds=t.seed[rows],
             frame_pos=pos,
             audio_top_cap=batch.top_cap,
-            greedy_only=batch.greedy_only,
+            greedy_only=bool(batch.features & GREEDY),
             compute=batch.pools.compute,
         )
         out = model.decode_frame(last, sampling, self.tok_hash, batch.keep_logits)

@@ -114,7 +114,7 @@ def test_warmup_captures_times_and_keeps_a_configs_artifacts(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     from hyloop.cli import main
-    from hyloop.graphs.capture.history import StepHistory
+    from hyloop.graphs.capture.policy import StepHistory
 
     monkeypatch.setenv("HYLOOP_CACHE_DIR", str(tmp_path))
     # As in a new process: inductor's directory not chosen yet (earlier tests chose one).

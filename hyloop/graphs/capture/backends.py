@@ -22,9 +22,12 @@
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
+import shutil
 import types
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, cast
 
 import torch
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
@@ -33,7 +36,19 @@ from hyloop.graphs.capture.buckets import ArtifactKey
 from hyloop.graphs.safety import sync_debug_error
 from hyloop.graphs.step_batch import StepBatch, StepOutput
 
-__all__ = ["CapturedStep", "CompiledStep", "CudaGraphStep", "RecompileError", "StepFn"]
+__all__ = [
+    "Backend",
+    "CapturedStep",
+    "CompiledStep",
+    "CudaGraphStep",
+    "RecompileError",
+    "StepFn",
+    "resolve_backend",
+]
+
+log = logging.getLogger(__name__)
+
+Backend = Literal["eager", "compile", "cuda_graph"]
 
 StepFn = Callable[[StepBatch], StepOutput]
 
@@ -215,3 +230,26 @@ class CudaGraphStep:
 
     def replay_guard(self) -> contextlib.AbstractContextManager[None]:
         return sync_debug_error()
+
+
+def has_cpp_compiler() -> bool:
+    """Whether a C++ compiler is on this machine (``$CXX``, else g++, c++ or clang++)."""
+    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++", "clang++"]
+    return any(shutil.which(n) for n in names)
+
+
+def resolve_backend(name: str, device: torch.device) -> Backend:
+    """``auto``: CUDA graphs on a GPU, ``torch.compile`` per bucket on CPU (eager on a CPU
+    machine without the C++ compiler inductor needs)."""
+    if name == "auto":
+        if device.type == "cuda":
+            return "cuda_graph"
+        if not has_cpp_compiler():
+            log.warning("hyloop: no C++ compiler found: graphs.backend=auto runs eager steps")
+            return "eager"
+        return "compile"
+    if name == "cuda_graph" and device.type != "cuda":
+        raise ValueError(f"graphs.backend=cuda_graph needs a CUDA device, got device={device}")
+    if name not in ("eager", "compile", "cuda_graph"):
+        raise ValueError(f"graphs.backend={name!r}: expected auto, eager, compile or cuda_graph")
+    return cast(Backend, name)

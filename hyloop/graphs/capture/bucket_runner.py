@@ -28,7 +28,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from hyloop.graphs.capture.backends import CapturedStep, CompiledStep, CudaGraphStep
+from hyloop.graphs.capture.backends import Backend, CapturedStep, CompiledStep, CudaGraphStep
 from hyloop.graphs.capture.buckets import (
     ArtifactKey,
     normalize_buckets,
@@ -36,18 +36,12 @@ from hyloop.graphs.capture.buckets import (
     verify_buckets,
 )
 from hyloop.graphs.capture.buffer import CaptureBuffer
-from hyloop.graphs.step_batch import (
-    StepBatch,
-    StepOutput,
-    StepPools,
-    check_batch,
-)
+from hyloop.graphs.step_batch import ROW_FIELDS, StepBatch, StepOutput, StepPools
 
-__all__ = ["BACKENDS", "BucketRunner", "CapturedKind"]
+__all__ = ["BACKENDS", "BucketRunner", "CapturedKind", "check_batch"]
 
 log = logging.getLogger(__name__)
 
-Backend = Literal["eager", "compile", "cuda_graph"]
 BACKENDS: tuple[str, ...] = ("eager", "compile", "cuda_graph")
 
 
@@ -304,3 +298,26 @@ class BucketRunner:
             "captured": [k.fields() for k in sorted(self._artifacts)],
             "capture_s": round(self.capture_seconds, 3),
         }
+
+
+def check_batch(batch: StepBatch) -> None:
+    """Shapes, dtypes and static values of ``batch``; reads no tensor value (no host sync)."""
+    b = batch.input_ids.shape[0]
+    if b < 1:
+        raise ValueError(f"StepBatch.input_ids: batch size {b}, expected >= 1")
+    lead = tuple(batch.input_ids.shape[:2])
+    for f in ROW_FIELDS:
+        t = getattr(batch, f.name)
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int64:
+            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"StepBatch.{f.name}: {got}, expected an int64 tensor")
+        want = lead if f.metadata["tokens"] else (b,)
+        dims = (2, 3) if f.name == "input_ids" else (len(want),)
+        if tuple(t.shape[: len(want)]) != want or t.dim() not in dims:
+            raise ValueError(f"StepBatch.{f.name}: shape {tuple(t.shape)}, expected {want}")
+        if t.device != batch.input_ids.device:
+            raise ValueError(f"StepBatch.{f.name}: on {t.device}, expected input_ids' device")
+    for name, low in (("kv_len", 1), ("top_cap", 0), ("num_logprobs", 0)):
+        value = getattr(batch, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"StepBatch.{name}: {value!r}, expected an int >= {low}")

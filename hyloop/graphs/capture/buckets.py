@@ -31,7 +31,7 @@ class ArtifactKey:
 
     batch: int  # padded batch size (a batch bucket)
     kv_len: int  # req->token columns attention reads (a kv_len bucket)
-    top_cap: int = 0  # sampler candidates (0: unfiltered; ``sampler.candidate_cap``)
+    top_cap: int = 0  # sampler candidates (0: unfiltered; ``step_kinds.candidate_cap``)
     num_logprobs: int = 0  # top logprobs returned per row
     features: int = 0  # the bits of the features applied (``step_batch.feature_bit``)
     tokens: int = 1  # positions per row: 1 (a decode step) or a verify step's (a bucket)

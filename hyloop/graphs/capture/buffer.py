@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hyloop.graphs.step_batch import StepBatch, StepPools, row_fields
+from hyloop.graphs.step_batch import ROW_FIELDS, StepBatch, StepPools
 
 
 @dataclass
@@ -37,7 +37,7 @@ class CaptureBuffer:
             raise ValueError(f"CaptureBuffer.init: max_bs {max_bs!r}, expected an int >= 1")
         device = pools.req_to_token.device
         rows = {}
-        for f in row_fields():
+        for f in ROW_FIELDS:
             shape: tuple[int, ...] = (max_bs, tokens) if f.metadata["tokens"] else (max_bs,)
             if f.name == "input_ids" and channels:
                 shape = (max_bs, 1, channels)
@@ -77,7 +77,7 @@ class CaptureBuffer:
             f.name: getattr(self.full, f.name)[:bs, :t]
             if f.metadata["tokens"] and t > 1
             else getattr(self.full, f.name)[:bs]
-            for f in row_fields()
+            for f in ROW_FIELDS
         }
         return dataclasses.replace(
             self.full,
@@ -111,7 +111,7 @@ class CaptureBuffer:
                 f"CaptureBuffer.copy_from: mode (top_cap, num_logprobs, features) {batch.mode}, "
                 f"expected {view.mode}"
             )
-        for f in row_fields():
+        for f in ROW_FIELDS:
             dst, src = getattr(view, f.name)[:n], getattr(batch, f.name)
             if f.metadata["tokens"] and src.shape[1] < dst.shape[1]:  # a verify row's tail
                 dst[:, src.shape[1] :].fill_(0)
@@ -124,6 +124,6 @@ class CaptureBuffer:
         """Make rows ``[start, bs)`` of ``view`` padding rows (all rows by default)."""
         if start >= view.batch_size:
             return
-        for f in row_fields():
+        for f in ROW_FIELDS:
             pad = f.metadata["pad"]
             getattr(view, f.name)[start:].fill_(view.pools.padding_row if pad < 0 else pad)

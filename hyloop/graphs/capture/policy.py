@@ -10,56 +10,43 @@ step's wall time is its time), and ``job_done`` keeps them for later plans.
 
 ``capture``, ``time`` and ``recapture`` are ``hyloop warmup``'s: capture keys ahead of a job,
 time an artifact against the eager step, and capture one again as a new process would.
+
+``StepHistory``: ``$HYLOOP_CACHE_DIR/steps/<key>.json`` (the key: machine, model file, dtype,
+device, the step's configuration) holds, per backend, the median decode-step time of each batch
+bucket seen in the latest run that measured it, and the capture (compile) times of each
+artifact key (the first from nothing, later ones with inductor's on-disk cache warm). Files are
+written atomically; an unreadable one is treated as empty.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import os
-import shutil
+import statistics
+import tempfile
 import time
+from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, cast
+from pathlib import Path
+from typing import Any
 
 import torch
 
-from hyloop.graphs.capture.auto_plan import Estimates, Outlook, Plan, choose, simulate
+from hyloop.graphs.capture.auto_plan import Estimates, Outlook, Plan, choose, key_label, simulate
+from hyloop.graphs.capture.backends import Backend
 from hyloop.graphs.capture.bucket_runner import BucketRunner
 from hyloop.graphs.capture.buckets import ArtifactKey, pick_bucket
 from hyloop.graphs.capture.buffer import CaptureBuffer
-from hyloop.graphs.capture.history import StepHistory
 from hyloop.graphs.step_batch import StepBatch, StepOutput
 
-__all__ = ["Backend", "Graphs", "resolve_backend"]
+__all__ = ["Graphs", "StepHistory", "history_key"]
 
 log = logging.getLogger(__name__)
 
-Backend = Literal["eager", "compile", "cuda_graph"]
 STATS = ("graph_replays", "eager_fallbacks", "recompiles", "uncaptured_steps")
-
-
-def has_cpp_compiler() -> bool:
-    """Whether a C++ compiler is on this machine (``$CXX``, else g++, c++ or clang++)."""
-    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++", "clang++"]
-    return any(shutil.which(n) for n in names)
-
-
-def resolve_backend(name: str, device: torch.device) -> Backend:
-    """``auto``: CUDA graphs on a GPU, ``torch.compile`` per bucket on CPU (eager on a CPU
-    machine without the C++ compiler inductor needs)."""
-    if name == "auto":
-        if device.type == "cuda":
-            return "cuda_graph"
-        if not has_cpp_compiler():
-            log.warning("hyloop: no C++ compiler found: graphs.backend=auto runs eager steps")
-            return "eager"
-        return "compile"
-    if name == "cuda_graph" and device.type != "cuda":
-        raise ValueError(f"graphs.backend=cuda_graph needs a CUDA device, got device={device}")
-    if name not in ("eager", "compile", "cuda_graph"):
-        raise ValueError(f"graphs.backend={name!r}: expected auto, eager, compile or cuda_graph")
-    return cast(Backend, name)
 
 
 class Graphs:
@@ -228,3 +215,94 @@ class Graphs:
 
     def close(self) -> None:
         self.job_done()
+
+
+MIN_SAMPLES = 3  # steps of one bucket before its median replaces the kept figure
+KEEP_CAPTURES = 4  # per artifact key: the first (cold) and the latest warm ones
+
+
+def history_key(*parts: object) -> str:
+    return hashlib.blake2b("\n".join(map(str, parts)).encode(), digest_size=10).hexdigest()
+
+
+class StepHistory:
+    """Measured figures of one model on this machine; ``record_*`` in a run, ``save`` after."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.step_ms: dict[str, dict[int, float]] = defaultdict(dict)  # backend -> bucket -> ms
+        # backend -> artifact key label -> seconds, oldest first
+        self.capture_s: dict[str, dict[str, list[float]]] = defaultdict(dict)
+        self._samples: dict[tuple[str, int], list[float]] = defaultdict(list)
+        self._dirty = False
+        self._load()
+
+    def _load(self) -> None:
+        try:
+            data = json.loads(self.path.read_text())
+            for backend, by_bucket in data.get("step_ms", {}).items():
+                self.step_ms[backend] = {int(b): float(ms) for b, ms in by_bucket.items()}
+            for backend, by_key in data.get("capture_s", {}).items():
+                self.capture_s[backend] = {
+                    str(k): [float(t) for t in times] for k, times in by_key.items()
+                }
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, TypeError, AttributeError) as e:
+            log.warning("hyloop: ignoring unreadable step history %s (%s)", self.path, e)
+
+    # -- record ---------------------------------------------------------------------------------
+    def record_step(self, backend: str, bucket: int, seconds: float) -> None:
+        self._samples[(backend, bucket)].append(seconds * 1e3)
+
+    def record_capture(self, backend: str, key: tuple[int, int], seconds: float) -> None:
+        times = self.capture_s[backend].setdefault(key_label(key), [])
+        times.append(round(seconds, 3))
+        if len(times) > KEEP_CAPTURES:  # keep the first: the cost from nothing
+            del times[1 : len(times) - KEEP_CAPTURES + 1]
+        self._dirty = True
+
+    def flush_samples(self) -> None:
+        """Fold this run's step samples into the kept medians."""
+        for (backend, bucket), ms in self._samples.items():
+            if len(ms) >= MIN_SAMPLES:
+                self.step_ms[backend][bucket] = round(statistics.median(ms), 3)
+                self._dirty = True
+        self._samples.clear()
+
+    # -- read -----------------------------------------------------------------------------------
+    def estimates(self, backend: str, defaults: Estimates) -> Estimates:
+        """A copy of ``defaults`` with this history's figures for the eager and ``backend``
+        steps (``defaults`` itself is left as it is)."""
+        eager = dict(self.step_ms.get("eager", {}))
+        captured = dict(self.step_ms.get(backend, {}))
+        captures = {k: list(v) for k, v in self.capture_s.get(backend, {}).items()}
+        return dataclasses.replace(
+            defaults,
+            eager_ms=eager,
+            captured_ms=captured,
+            captures=captures,
+            measured=bool(eager or captured or captures),
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "step_ms": {
+                k: {str(b): ms for b, ms in sorted(v.items())} for k, v in self.step_ms.items()
+            },
+            "capture_s": dict(self.capture_s),
+        }
+
+    def save(self) -> None:
+        self.flush_samples()
+        if not self._dirty:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
+            with os.fdopen(fd, "w") as fh:
+                json.dump(self.as_dict(), fh, indent=1)
+            os.replace(tmp, self.path)
+            self._dirty = False
+        except OSError as e:  # a read-only cache directory costs the history, nothing else
+            log.warning("hyloop: could not keep step history in %s: %s", self.path, e)

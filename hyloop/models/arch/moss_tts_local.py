@@ -149,7 +149,7 @@ class FrameSampling:
     history: torch.Tensor  # [B, W, n_vq] int64 codes of the last W frames, -1 = empty
     seeds: torch.Tensor  # int64, 32-bit values
     frame_pos: torch.Tensor  # int64 frame index of the row being sampled
-    audio_top_cap: int  # the code samplers' candidates (``sampler.candidate_cap``)
+    audio_top_cap: int  # the code samplers' candidates (``step_kinds.candidate_cap``)
     greedy_only: bool = False  # every row is greedy in both groups
     compute: Any = None  # the step's compute path (local attention, top-k); None: torch ops
 

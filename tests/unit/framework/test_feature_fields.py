@@ -78,11 +78,14 @@ def test_a_row_takes_pads_for_the_features_it_does_not_use() -> None:
     class Req:
         features: ClassVar[dict[str, Any]] = {}
 
+    def take(row: int, req: Req, uses: tuple[str, ...]) -> None:
+        table.take(row, req, {n: of(req) for n, of in table.sources(uses).items()})
+
     a, b = Req(), Req()
-    table.take(0, a, uses=())
-    table.take(1, b, uses=("spy",))
+    take(0, a, uses=())
+    take(1, b, uses=("spy",))
     assert table.base.tolist() == [3, 3]
     assert table.spy_value.tolist() == [-1.0, 7.0]
     # a new request in a row keeps none of the last one's values
-    table.take(1, Req(), uses=())
+    take(1, Req(), uses=())
     assert table.spy_value.tolist() == [-1.0, -1.0]

@@ -9,7 +9,7 @@ import pytest
 
 from hyloop.graphs.capture.auto_plan import WARM_FRACTION, Estimates, Outlook, choose, simulate
 from hyloop.graphs.capture.buckets import kv_len_buckets, pick_bucket
-from hyloop.graphs.capture.history import StepHistory
+from hyloop.graphs.capture.policy import StepHistory
 
 BUCKETS = (1, 2, 4, 8)
 

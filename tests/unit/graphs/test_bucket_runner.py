@@ -17,19 +17,12 @@ from conftest import load_hf_model
 from hyloop.framework.step_kinds import TokenSampling
 from hyloop.framework.token_step import TokenStep
 from hyloop.graphs.capture.backends import GUARD_EVERY, CompiledStep, RecompileError
-from hyloop.graphs.capture.bucket_runner import BucketRunner
+from hyloop.graphs.capture.bucket_runner import BucketRunner, check_batch
 from hyloop.graphs.capture.buckets import ArtifactKey, kv_len_buckets, pick_bucket
 from hyloop.graphs.capture.buffer import CaptureBuffer
 from hyloop.graphs.safety import check_capture_safe
 from hyloop.graphs.sampler import sample, token_hashes
-from hyloop.graphs.step_batch import (
-    GREEDY,
-    StepBatch,
-    StepOutput,
-    StepPools,
-    check_batch,
-    row_fields,
-)
+from hyloop.graphs.step_batch import GREEDY, ROW_FIELDS, StepBatch, StepOutput, StepPools
 from hyloop.models.layers.attention import TorchPath
 from hyloop.models.loader import load_model
 from hyloop.pools import KVPool, ReqToTokenPool
@@ -177,7 +170,7 @@ def test_capture_buffer_pads_every_row_beyond_the_batch(pools: ToyPools) -> None
     view = buffer.view(4, kv_len=8)
     CaptureBuffer.copy_from(view, make_inputs(pools, 3, 8, seed=1))
     assert view.req_rows.data_ptr() == buffer.full.req_rows.data_ptr()  # same storage
-    for f in row_fields():
+    for f in ROW_FIELDS:
         pad = PAD_ROW if f.metadata["pad"] < 0 else f.metadata["pad"]
         assert getattr(buffer.full, f.name)[3:].eq(pad).all(), f.name
     assert buffer.full.extend_lens[:3].eq(1).all()

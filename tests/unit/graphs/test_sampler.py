@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hyloop.graphs.sampler import candidate_cap, gumbel_noise, sample, token_hashes
+from hyloop.framework.step_kinds import candidate_cap
+from hyloop.graphs.sampler import gumbel_noise, sample, token_hashes
 
 VOCAB = 1000
 

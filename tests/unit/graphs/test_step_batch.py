@@ -31,17 +31,23 @@ def request(rid: str, temperature: float) -> Request:
     return Request(rid, [1, 2], SamplingParams(temperature=temperature), 7, 4, frozenset())
 
 
+def take(table: RequestTable, row: int, req: Request) -> None:
+    """What ``StepKind.bind`` does for a request new to its row."""
+    if table.owners[row] is not req:
+        table.take(row, req, {n: of(req) for n, of in table.sources(req.features).items()})
+
+
 def test_a_column_is_written_once_per_request_and_pads_the_rest() -> None:
     table = ScaledSampling.allocate(4, "cpu", vocab=8)
     a, b = request("a", 0.5), request("b", 0.0)
-    table.take(0, a)
-    table.take(2, b)
+    take(table, 0, a)
+    take(table, 2, b)
     assert table.logit_scale.tolist() == [1.5, 1.0, 1.0, 1.0]
     assert table.temperature.tolist() == [0.5, 0.0, 0.0, 0.0]
     table.logit_scale[0] = 9.0
-    table.take(0, a)  # the same request again: its row is not rewritten
+    take(table, 0, a)  # the same request again: its row is not rewritten
     assert table.logit_scale[0] == 9.0
-    table.take(0, request("c", 1.0))  # a new owner of the row: written afresh
+    take(table, 0, request("c", 1.0))  # a new owner of the row: written afresh
     assert table.logit_scale[0] == 2.0
 
 
@@ -49,7 +55,7 @@ def test_a_new_column_reaches_eager_and_captured_steps_unchanged() -> None:
     rows, vocab = 4, 8
     table = ScaledSampling.allocate(rows + 1, "cpu", vocab=vocab)
     for i, t in enumerate((0.0, 1.0, 3.0)):
-        table.take(i, request(f"r{i}", t))
+        take(table, i, request(f"r{i}", t))
     req_to_token = torch.zeros(rows + 1, 8, dtype=torch.int32)
 
     def step(b: StepBatch) -> StepOutput:  # the one use

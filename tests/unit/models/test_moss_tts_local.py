@@ -27,8 +27,10 @@ from conftest import (
 )
 from safetensors.torch import load_file
 
+from hyloop.framework.step_kinds import candidate_cap
+from hyloop.framework.token_step import last_rows
 from hyloop.graphs.safety import check_capture_safe
-from hyloop.graphs.sampler import candidate_cap, sample, token_hashes
+from hyloop.graphs.sampler import sample, token_hashes
 from hyloop.models.arch.moss_tts_local import FrameOutput, FrameSampling, MossTTSLocalLM
 from hyloop.models.loader import load_model
 from hyloop.models.weights import WeightLoadError
@@ -196,7 +198,7 @@ class Runner:
             is_decode=t == 1,
         )
         hidden = self.model(ctx)
-        return hidden[torch.arange(b), ctx.last_index]
+        return last_rows(hidden, ctx)
 
 
 def sampling(
