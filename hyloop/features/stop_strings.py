@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from hyloop.features.base import Feature, RequestContext
-from hyloop.models.detokenizer import has_text, text_of
+from hyloop.framework.requests import has_text, text_of
 
 if TYPE_CHECKING:
     from hyloop.framework.requests import Request

@@ -1,5 +1,6 @@
 """Requests: their host-side state (the batches the scheduler forms of them: ``batches``) and the
-outputs handed back; a checked request is made of a prompt in ``prompts.new_request``."""
+outputs handed back, with their text (``IncrementalText``) and logprobs in vLLM's shape; a
+checked request is made of a prompt in ``prompts.new_request``."""
 
 from __future__ import annotations
 
@@ -14,9 +15,8 @@ from hyloop.cache.lease import Lease
 from hyloop.framework.batches import Batch, Chunk
 from hyloop.framework.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from hyloop.framework.sampling_params import RequestOutputKind, SamplingParams
-from hyloop.framework.step_logprobs import sampled_entry
 from hyloop.graphs.step_batch import StepOutput
-from hyloop.models.detokenizer import IncrementalText, output_text
+from hyloop.models.tokenizer import IncrementalText
 
 # Batch and Chunk live in ``batches``; importers find them here too.
 __all__ = ["Batch", "Chunk", "Request", "Status", "request_output"]
@@ -165,3 +165,73 @@ def request_output(req: Request, tokenizer: Any) -> RequestOutput:
         num_reused_tokens=req.num_reused,
         num_recomputed_tokens=req.num_recomputed,
     )
+
+
+def has_text(req: Request, tokenizer: Any) -> bool:
+    """Whether ``req``'s outputs carry text (a tokenizer, ``detokenize``, no channel rows)."""
+    return tokenizer is not None and req.params.detokenize and req.output_rows is None
+
+
+def text_of(req: Request, tokenizer: Any) -> IncrementalText:
+    if req.text_state is None:
+        req.text_state = IncrementalText.start(tokenizer, req.params)
+    return req.text_state
+
+
+def output_text(req: Request, tokenizer: Any, finished: bool, delta: bool) -> str:
+    """``req``'s text for its next output: all of it, or (``delta``) what is new since the last
+    one. A running output holds back a partial character, and ``req.text_hold`` characters a
+    feature may still cut (the start of a stop string)."""
+    if not has_text(req, tokenizer):
+        return ""
+    p, state = req.params, text_of(req, tokenizer)
+    if finished:
+        ids = req.output_ids
+        if req.finish_reason == "stop" and not isinstance(req.stop_reason, str) and ids:
+            # a stop token ended it: vLLM shows that token's text only when asked to
+            ids = ids if p.include_stop_str_in_output else ids[:-1]
+        state.finish(tokenizer, ids)
+        end = len(state.text)
+    else:
+        state.take(tokenizer, req.output_ids)
+        end = max(0, len(state.text) - req.text_hold)
+    if not delta:
+        return state.text[:end]
+    start = req.text_emitted
+    req.text_emitted = max(start, end)
+    return state.text[start:end]
+
+
+# -- a resolved step's logprobs in vLLM's shape ---------------------------------------------------
+def sampled_entry(
+    out: StepOutput, i: int | tuple[int, int], tok: int, k: int
+) -> dict[int, Logprob]:
+    """The sampled token's ``Logprob`` (its rank among all tokens) and the top ``k``; ``i``:
+    its row, or (row, position) of a verify step."""
+    assert out.chosen_lp is not None and out.chosen_rank is not None
+    entry = {tok: Logprob(float(out.chosen_lp[i]), int(out.chosen_rank[i]))}
+    if k > 0:
+        assert out.top_lp is not None and out.top_ids is not None
+        top = zip(out.top_lp[i][:k].tolist(), out.top_ids[i][:k].tolist(), strict=True)
+        for rank, (lp, tid) in enumerate(top, 1):
+            entry.setdefault(int(tid), Logprob(float(lp), rank))
+    return entry
+
+
+def prompt_entries(
+    out: StepOutput, i: int, chunk: Chunk, k: int | None
+) -> list[dict[int, Logprob]]:
+    """The chunk's prompt logprobs: at each position, the next prompt token's and the top k."""
+    assert out.prompt_lp is not None and out.prompt_rank is not None and k is not None
+    assert out.prompt_top_lp is not None and out.prompt_top_ids is not None
+    n = min(chunk.length, len(chunk.req.prompt_ids) - chunk.start - 1)
+    targets = chunk.req.prompt_ids[chunk.start + 1 : chunk.start + 1 + n]
+    lps, ranks = out.prompt_lp[i, :n].tolist(), out.prompt_rank[i, :n].tolist()
+    top_lp, top_ids = out.prompt_top_lp[i, :n, :k].tolist(), out.prompt_top_ids[i, :n, :k].tolist()
+    entries = []
+    for t, tok in enumerate(targets):
+        entry = {tok: Logprob(lps[t], ranks[t])}
+        for rank, (lp, tid) in enumerate(zip(top_lp[t], top_ids[t], strict=True), 1):
+            entry.setdefault(tid, Logprob(lp, rank))
+        entries.append(entry)
+    return entries

@@ -25,9 +25,8 @@ from hyloop.cache.lease import RequestCache
 from hyloop.framework.config import SchedulerSection
 from hyloop.framework.faults import bare_output, describe, drop_chunk, is_engine_fault
 from hyloop.framework.outputs import RequestOutput
-from hyloop.framework.requests import Batch, Chunk, Request, Status, request_output
+from hyloop.framework.requests import Batch, Chunk, Request, Status, prompt_entries, request_output
 from hyloop.framework.sampling_params import RequestOutputKind
-from hyloop.framework.step_logprobs import prompt_entries
 from hyloop.graphs.step_batch import StepOutput
 from hyloop.pools import LedgerError, StepFence
 

@@ -57,7 +57,7 @@ def kept_tokens(
     row's last tokens pay them there (``observed``). Writes the fresh K/V
     of every token at ``layer``."""
     attn = layer.self_attn
-    q, k, v = attn.queries_keys_values(layer.input_layernorm(x), batch)
+    q, k, v, _ = attn.queries_keys_values(layer.input_layernorm(x), batch)
     k_buf, v_buf = attn.attn.view.buffers(batch)
     loc = batch.out_cache_loc
     # NOTE: K alone, as LMCache's blender: on SmolLM2 it picked better than K and V together

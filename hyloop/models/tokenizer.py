@@ -1,13 +1,28 @@
-"""Text tokenizer wrapper over ``tokenizers`` with the checkpoint's BOS rule and chat template."""
+"""Text tokenizer wrapper over ``tokenizers`` with the checkpoint's BOS rule and chat template;
+and incremental detokenization over any tokenizer (``IncrementalText``).
+
+Decoding a whole output at every step costs O(n^2). ``IncrementalText`` decodes a short window
+(vLLM's prefix / read offsets) that starts at the tokens of the last piece of text it added, so
+the decoder sees their context; a new token's text is what decoding the window with it adds to
+decoding it without. A window whose text ends in U+FFFD is a character still split across
+tokens: it waits for the next token. Once the request finishes, what still waits is added as the
+whole decode shows it, so the final text is the whole output decoded at once. Options as vLLM
+applies them: ``skip_special_tokens`` leaves special tokens out of the window altogether;
+``spaces_between_special_tokens=False`` shows an added token that follows another added token
+as its bare content, without the space a decoder may put before it.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tokenizers import AddedToken, Tokenizer
 
 from hyloop.models.loaders.hf import read_json
+
+PARTIAL = "\ufffd"  # what a decoder shows for bytes that are not yet a whole character
 
 
 class BatchEncoding(dict[str, Any]):
@@ -240,3 +255,75 @@ def load_hf_tokenizer(ckpt: Path) -> TextTokenizer | None:
         special_tokens=specials,
         post_processor_adds_bos=pp_bos,
     )
+
+
+@dataclass
+class IncrementalText:
+    """One request's output text so far, and the window it decodes its next token in."""
+
+    skip_special_tokens: bool
+    skipped: frozenset[int] = frozenset()  # ids that add no text (special tokens, when skipped)
+    bare: dict[int, str] | None = None  # added tokens shown bare after another added token
+    text: str = ""
+    consumed: int = 0  # output tokens taken in
+    window: list[int] = field(default_factory=list)  # tokens since the window's start
+    read: int = 0  # leading window tokens whose text is in ``text``
+    window_text: str = ""  # the decoder's text of ``window[:read]``
+    last_added: bool = False
+
+    @classmethod
+    def start(cls, tokenizer: Any, p: Any) -> IncrementalText:
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        skip = bool(p.skip_special_tokens)
+        if not skip:
+            skipped: frozenset[int] = frozenset()
+        elif added:
+            skipped = frozenset(i for i, t in added.items() if getattr(t, "special", True))
+        else:
+            skipped = frozenset(getattr(tokenizer, "all_special_ids", ()))
+        bare = None
+        if not skip and not p.spaces_between_special_tokens and added:
+            bare = {i: str(getattr(t, "content", t)) for i, t in added.items()}
+        return cls(skip_special_tokens=skip, skipped=skipped, bare=bare)
+
+    def take(self, tokenizer: Any, ids: list[int]) -> None:
+        """Take in ``ids[consumed:]`` (``ids``: the output so far, or less)."""
+        for tid in ids[self.consumed :]:
+            self._step(tokenizer, tid)
+        self.consumed = max(self.consumed, len(ids))
+
+    def finish(self, tokenizer: Any, ids: list[int]) -> None:
+        """Take in ``ids`` (the whole output to show) and add the text still waiting."""
+        if self.consumed == 0 and self.bare is None:  # nothing decoded yet: one decode does it
+            self.text = self._decode(tokenizer, ids)
+            self.consumed = len(ids)
+            return
+        self.take(tokenizer, ids)
+        if self.read < len(self.window):
+            whole = self._decode(tokenizer, self.window)
+            self.text += whole[len(self.window_text) :]
+            self.read, self.window_text = len(self.window), whole
+
+    def _decode(self, tokenizer: Any, ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _step(self, tokenizer: Any, tid: int) -> None:
+        if tid in self.skipped:
+            return
+        if self.bare is not None:
+            added = tid in self.bare
+            follows, self.last_added = self.last_added, added
+            if added and follows and self.read == len(self.window):
+                self.text += self.bare[tid]
+                self.window, self.read = [tid], 1
+                self.window_text = self._decode(tokenizer, self.window)
+                return
+        self.window.append(tid)
+        grown = self._decode(tokenizer, self.window)
+        if len(grown) <= len(self.window_text) or grown.endswith(PARTIAL):
+            return  # no new text yet, or a character still split: wait for the next token
+        self.text += grown[len(self.window_text) :]
+        # The next window starts at this piece's tokens: their text is its context.
+        self.window = self.window[self.read :]
+        self.read = len(self.window)
+        self.window_text = self._decode(tokenizer, self.window)

@@ -16,8 +16,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models
 from hyloop import SamplingParams
 from hyloop.features.stop_strings import check_stop_request, find_stop, held_back, stop_string_hit
 from hyloop.framework.requests import Request, Status, request_output
-from hyloop.models.detokenizer import IncrementalText
-from hyloop.models.tokenizer import TextTokenizer
+from hyloop.models.tokenizer import IncrementalText, TextTokenizer
 
 
 @pytest.fixture(scope="module")

@@ -14,13 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hyloop.graphs.step_batch import StepBatch
-from hyloop.models.arch.llama import DecoderLM
+from hyloop.models.arch.llama import DecoderBody, DecoderLM, GatedMLP, QKVAttention
 from hyloop.models.contract import contract_of
-from hyloop.models.layers.attention import QKVAttention
 from hyloop.models.layers.norm import RMSNorm
 from hyloop.models.layers.rope import RopeSpec, RotaryEmbedding
 from hyloop.models.registry import register, text_config
@@ -125,20 +123,6 @@ class Gemma3Spec:
         )
 
 
-class Gemma3MLP(nn.Module):
-    """``down(gelu_tanh(gate(x)) * up(x))`` with gate and up fused into one GEMM."""
-
-    def __init__(self, hidden: int, intermediate: int) -> None:
-        super().__init__()
-        self.intermediate = intermediate
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
-
-
 class Gemma3DecoderLayer(nn.Module):
     def __init__(self, spec: Gemma3Spec, rotary: RotaryEmbedding) -> None:
         super().__init__()
@@ -149,7 +133,7 @@ class Gemma3DecoderLayer(nn.Module):
         )
         self.post_attention_layernorm = RMSNorm(h, eps, zero_centered=True)
         self.pre_feedforward_layernorm = RMSNorm(h, eps, zero_centered=True)
-        self.mlp = Gemma3MLP(h, spec.intermediate_size)
+        self.mlp = GatedMLP(h, spec.intermediate_size, gelu=True)
         self.post_feedforward_layernorm = RMSNorm(h, eps, zero_centered=True)
 
     def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
@@ -157,25 +141,17 @@ class Gemma3DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-class Gemma3Body(nn.Module):
-    def __init__(self, spec: Gemma3Spec) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        local = RotaryEmbedding(spec.rope_local, spec.max_positions)
-        glob = RotaryEmbedding(spec.rope_global, spec.max_positions)
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(spec, local if kind == SLIDING else glob)
-            for kind in spec.layer_types
-        )
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, zero_centered=True)
-
-
 @register("Gemma3ForCausalLM", model_types=("gemma3_text",))
 class Gemma3CausalLM(DecoderLM):
     def __init__(self, hf_config: dict[str, Any]) -> None:
         super().__init__()
         spec = self.spec = Gemma3Spec.from_hf(hf_config)
-        self.model = Gemma3Body(spec)
+        local = RotaryEmbedding(spec.rope_local, spec.max_positions)
+        glob = RotaryEmbedding(spec.rope_global, spec.max_positions)
+        layers = (
+            Gemma3DecoderLayer(spec, local if t == SLIDING else glob) for t in spec.layer_types
+        )
+        self.model = DecoderBody(spec, layers, zero_centered=True)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.tie_weights()
         self.embed_scale = math.sqrt(spec.hidden_size)

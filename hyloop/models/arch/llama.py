@@ -1,6 +1,6 @@
 """Dense decoder-only transformers: Llama (SmolLM2 included), Qwen2 and Qwen3; and what every
 decoder-only causal LM here shares (``DecoderLM``: embeddings in, layers, norm, LM head out; the
-SwiGLU ``GatedMLP``).
+attention block ``QKVAttention`` and the SwiGLU ``GatedMLP``).
 
 One class covers the family; the differences are config flags: Qwen2 adds a q/k/v bias, Qwen3
 adds per-head q/k RMSNorm and an explicit ``head_dim``. Another architecture's model subclasses
@@ -11,8 +11,9 @@ adds per-head q/k RMSNorm and an explicit ``head_dim``. Another architecture's m
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +23,7 @@ from hyloop.graphs.step_batch import StepBatch
 from hyloop.models.blend import blend_forward
 from hyloop.models.contract import DecoderStackSpec, ModelContract, StackLayer, contract_of
 from hyloop.models.cpu import numerics  # noqa: F401  (defines hyloop::silu)
-from hyloop.models.layers.attention import QKVAttention
+from hyloop.models.layers.attention import PagedAttention
 from hyloop.models.layers.norm import RMSNorm
 from hyloop.models.layers.rope import RopeSpec, RotaryEmbedding
 from hyloop.models.registry import register, text_config
@@ -142,17 +143,103 @@ def head_rows(head: nn.Module, x: torch.Tensor, live: torch.Tensor | None) -> to
     return head(x)
 
 
-class GatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))``; ``gate_up_proj`` holds ``[gate; up]`` stacked on rows."""
+class QKVAttention(nn.Module):
+    """``qkv_proj`` holds ``[q; k; v]`` stacked on rows (``gated``: each head's ``[q_h | gate_h]``
+    for Qwen3-Next's ``attn * sigmoid(gate)``); ``qk_norm`` is a per-head RMSNorm of q and k,
+    ``plain`` (Qwen3) or ``zero_centered`` (Gemma 3, Qwen3-Next). The scale defaults to
+    ``head_dim ** -0.5``; which keys a query sees is the layer's KV view (the model contract's,
+    ``models.kv_layout``)."""
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rotary: RotaryEmbedding,
+        *,
+        eps: float = 1e-6,
+        scale: float | None = None,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm: Literal["plain", "zero_centered"] | None = None,
+        gated: bool = False,
+    ) -> None:
         super().__init__()
-        self.intermediate = intermediate
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
+        self.gated = gated
+        sizes = ((2 if gated else 1) * self.q_size, self.kv_size, self.kv_size)
+        self.qkv_proj = nn.Linear(hidden, sum(sizes), bias=qkv_bias)
+        self.qkv_proj.shard_sizes = sizes
+        self.sizes = list(sizes)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=o_bias)
+        self.qk_norm = qk_norm is not None
+        if qk_norm is not None:
+            centred = qk_norm == "zero_centered"
+            self.q_norm = RMSNorm(head_dim, eps, zero_centered=centred)
+            self.k_norm = RMSNorm(head_dim, eps, zero_centered=centred)
+        self.rotary = rotary
+        self.attn = PagedAttention(num_heads, num_kv_heads, head_dim, scale or head_dim**-0.5)
+
+    @classmethod
+    def of(cls, spec: Any, rotary: RotaryEmbedding, **options: Any) -> QKVAttention:
+        """The block for an architecture's spec (``hidden_size``, ``num_heads``,
+        ``num_kv_heads``, ``head_dim``, ``rms_norm_eps``) and its options."""
+        return cls(
+            spec.hidden_size,
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_dim,
+            rotary,
+            eps=spec.rms_norm_eps,
+            **options,
+        )
+
+    def queries_keys_values(
+        self, x: torch.Tensor, batch: StepBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``q [B,T,Hq,D]`` and ``k`` rotated, ``v [B,T,Hkv,D]``, and the output gate."""
+        b, t, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        gate = None
+        if self.gated:
+            q, gate = q.view(b, t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        else:
+            q = q.view(b, t, self.num_heads, self.head_dim)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(q, k, batch)
+        return q, k, v, gate
+
+    def forward(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v, gate = self.queries_keys_values(x, batch)
+        out = self.attn(q, k, v, batch)
+        if gate is not None:
+            out = out * torch.sigmoid(gate.reshape(b, t, self.q_size))
+        return self.o_proj(out)
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))``: SiLU (SwiGLU), or ``gelu`` the tanh-approximated GELU
+    (Gemma 3); ``gate_up_proj`` holds ``[gate; up]`` stacked on rows."""
+
+    def __init__(
+        self, hidden: int, intermediate: int, bias: bool = False, gelu: bool = False
+    ) -> None:
+        super().__init__()
+        self.intermediate, self.gelu = intermediate, gelu
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        if self.gelu:
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
         # CPU: the SiLU the decoder stack's C++ computes (``models.cpu.numerics``).
         act = torch.ops.hyloop.silu(gate) if gate.device.type == "cpu" else F.silu(gate)
         return self.down_proj(act * up)
@@ -175,12 +262,19 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderBody(nn.Module):
-    def __init__(self, spec: DenseSpec) -> None:
+    """The token embeddings, the decoder layers (a dense spec's, unless ``layers`` are given)
+    and the final norm (``zero_centered``: Gemma's ``1 + w``)."""
+
+    def __init__(
+        self, spec: Any, layers: Iterable[nn.Module] | None = None, zero_centered: bool = False
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        rotary = RotaryEmbedding(spec.rope, spec.max_positions)
-        self.layers = nn.ModuleList(DecoderLayer(spec, rotary) for _ in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        if layers is None:
+            rotary = RotaryEmbedding(spec.rope, spec.max_positions)
+            layers = (DecoderLayer(spec, rotary) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, zero_centered=zero_centered)
 
 
 @register("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")

@@ -16,9 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyloop.graphs.step_batch import StepBatch
-from hyloop.models.arch.llama import DecoderLM, GatedMLP
+from hyloop.models.arch.llama import DecoderBody, DecoderLM, GatedMLP, QKVAttention
 from hyloop.models.contract import RecurrentLayers, contract_of
-from hyloop.models.layers.attention import QKVAttention
 from hyloop.models.layers.gdn import GatedDeltaNet, GDNDims
 from hyloop.models.layers.norm import RMSNorm
 from hyloop.models.layers.rope import RopeSpec, RotaryEmbedding
@@ -159,20 +158,6 @@ class HybridDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class HybridBody(nn.Module):
-    def __init__(self, spec: HybridSpec) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        rotary = RotaryEmbedding(spec.rope, spec.max_positions)
-        layers, recurrent = [], 0
-        for i, kind in enumerate(spec.layer_types):
-            # Recurrent layers are numbered apart: the recurrent pool holds only theirs.
-            layers.append(HybridDecoderLayer(spec, i, recurrent, rotary))
-            recurrent += kind == LINEAR
-        self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, zero_centered=True)
-
-
 class HybridCausalLM(DecoderLM):
     """GDN layers keep their state in the recurrent pool (``contract.recurrent``)."""
 
@@ -181,7 +166,11 @@ class HybridCausalLM(DecoderLM):
     def __init__(self, hf_config: dict[str, Any]) -> None:
         super().__init__()
         spec = self.spec = HybridSpec.from_hf(hf_config, moe=self.moe)
-        self.model = HybridBody(spec)
+        rotary = RotaryEmbedding(spec.rope, spec.max_positions)
+        # Recurrent layers are numbered apart: the recurrent pool holds only theirs.
+        index = [spec.layer_types[:i].count(LINEAR) for i in range(len(spec.layer_types))]
+        layers = (HybridDecoderLayer(spec, i, r, rotary) for i, r in enumerate(index))
+        self.model = DecoderBody(spec, layers, zero_centered=True)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.tie_weights()
         d = spec.gdn

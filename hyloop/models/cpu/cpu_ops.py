@@ -67,6 +67,7 @@ from pathlib import Path
 
 import torch
 
+from hyloop.models.cpu import numerics
 from hyloop.models.cpu.kernel_choice import cache_dir, cpu_description
 
 log = logging.getLogger(__name__)
@@ -88,16 +89,7 @@ _LIB.define(
 )
 
 
-@torch.library.register_fake("hyloop::decode_attention", lib=_LIB)
-def _decode_attention_fake(
-    q: torch.Tensor,
-    k_buf: torch.Tensor,
-    v_buf: torch.Tensor,
-    slots: torch.Tensor,
-    bias: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
+torch.library.register_fake("hyloop::decode_attention", numerics.contiguous_like, lib=_LIB)
 
 
 def _argmax_rows_fake(x: torch.Tensor) -> torch.Tensor:
@@ -120,23 +112,6 @@ def _panel_linear_fake(
     live: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], n))  # panel_linear, and panel_linear_live (``live``)
-
-
-def _decode_layers_fake(
-    x: torch.Tensor,
-    handle: int,
-    k_bufs: list[torch.Tensor],
-    v_bufs: list[torch.Tensor],
-    loc: torch.Tensor,
-    slots: torch.Tensor,
-    bias: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    group: int = 1,
-    live: torch.Tensor | None = None,
-) -> torch.Tensor:
-    # decode_layers, and decode_layers_live (``live``)
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 _lock = threading.Lock()
@@ -251,7 +226,6 @@ def _load(build: bool) -> bool:
             assert compiler is not None
             _build_once(compiler, path)
         # The ops whose CPU kernels the library adds are defined first.
-        import hyloop.models.cpu.numerics  # noqa: F401  (hyloop::silu)
         import hyloop.models.layers.norm  # noqa: F401  (hyloop::rms_norm)
 
         torch.ops.load_library(str(path))
@@ -263,8 +237,8 @@ def _load(build: bool) -> bool:
         torch.library.register_fake("hyloop::argmax_rows", _argmax_rows_fake)
         torch.library.register_fake("hyloop::panel_linear", _panel_linear_fake)
         torch.library.register_fake("hyloop::panel_linear_live", _panel_linear_fake)
-        torch.library.register_fake("hyloop::decode_layers", _decode_layers_fake)
-        torch.library.register_fake("hyloop::decode_layers_live", _decode_layers_fake)
+        torch.library.register_fake("hyloop::decode_layers", numerics.contiguous_like)
+        torch.library.register_fake("hyloop::decode_layers_live", numerics.contiguous_like)
     except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", None) or str(e)
         log.warning(

@@ -7,7 +7,7 @@ projection or attention in between, no thread wake-up per kernel, and each proje
 through its panels (the same ones the layer-by-layer path's ``hyloop::panel_linear`` reads).
 Longer prefill chunks, and any model or step this does not cover, run the layers one by one.
 
-It is the ``stack`` of the CPU compute path (``layers.attention.backends.NativePath``), built at
+It is the ``stack`` of the CPU compute path (``layers.attention.paged.NativePath``), built at
 assembly when ``model.cpu_stack`` allows it; ``DecoderLM.forward`` hands it decode steps. The
 KV pool's buffers are arguments the operator mutates (``Tensor(a!)[]``), so a compiled step
 orders it like any other write of the pool.

@@ -123,37 +123,26 @@ def attention(
     """``hyloop::decode_attention``: ``q [B, Hq, D]`` over pool rows ``k_buf / v_buf [S, Hkv,
     D]`` at ``slots [B, L]``, visible where ``bias [B, L]`` is not -inf -> ``[B, Hq, D]``."""
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    block = max(1, BLOCK_ELEMENTS // max(1, slots.shape[1] * q.shape[1] * q.shape[2]))
-    for b0 in range(0, q.shape[0], block):
-        b1 = min(q.shape[0], b0 + block)
-        out[b0:b1] = _attention_rows(q[b0:b1], k_buf, v_buf, slots[b0:b1], bias[b0:b1], scale)
-    return out
-
-
-def _attention_rows(
-    q: torch.Tensor,
-    k_buf: torch.Tensor,
-    v_buf: torch.Tensor,
-    slots: torch.Tensor,
-    bias: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    b, hq, d = q.shape
+    hq, d = q.shape[1:]
     hkv = k_buf.shape[1]
-    g = hq // hkv
-    keys = k_buf[slots].to(F32)  # [B, L, Hkv, D]
-    values = v_buf[slots].to(F32)
-    qf = q.to(F32).view(b, 1, hkv, g, d)
-    s = lane_sum(qf * keys.unsqueeze(3))  # [B, L, Hkv, G]
-    bias = bias.to(F32).view(b, -1, 1, 1)
-    scores = s * torch.tensor(scale, dtype=F32) + bias
-    visible = bias != -torch.inf
-    mx = scores.masked_fill(~visible, -torch.inf).amax(1, keepdim=True)
-    p = exp(scores - mx).masked_fill(~visible, 0.0)
-    inv = torch.reciprocal(sum_in_order(p, 1))  # [B, Hkv, G]
-    pv = (p.unsqueeze(-1) * values.unsqueeze(3)).masked_fill(~visible.unsqueeze(-1), 0.0)
-    o = sum_in_order(pv, 1)  # [B, Hkv, G, D]
-    return (o * inv.unsqueeze(-1)).reshape(b, hq, d).to(q.dtype)
+    block = max(1, BLOCK_ELEMENTS // max(1, slots.shape[1] * hq * d))
+    for b0 in range(0, q.shape[0], block):  # rows a block at a time: bounded scratch
+        rows = slice(b0, min(q.shape[0], b0 + block))
+        b = rows.stop - rows.start
+        keys = k_buf[slots[rows]].to(F32)  # [b, L, Hkv, D]
+        values = v_buf[slots[rows]].to(F32)
+        qf = q[rows].to(F32).view(b, 1, hkv, hq // hkv, d)
+        s = lane_sum(qf * keys.unsqueeze(3))  # [b, L, Hkv, G]
+        visible_bias = bias[rows].to(F32).view(b, -1, 1, 1)
+        scores = s * torch.tensor(scale, dtype=F32) + visible_bias
+        visible = visible_bias != -torch.inf
+        mx = scores.masked_fill(~visible, -torch.inf).amax(1, keepdim=True)
+        p = exp(scores - mx).masked_fill(~visible, 0.0)
+        inv = torch.reciprocal(sum_in_order(p, 1))  # [b, Hkv, G]
+        pv = (p.unsqueeze(-1) * values.unsqueeze(3)).masked_fill(~visible.unsqueeze(-1), 0.0)
+        o = sum_in_order(pv, 1)  # [b, Hkv, G, D]
+        out[rows] = (o * inv.unsqueeze(-1)).reshape(b, hq, d).to(q.dtype)
+    return out
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -207,9 +196,12 @@ _LIB.define("silu(Tensor x) -> Tensor")
 _LIB.impl("silu", silu, "CompositeExplicitAutograd")
 
 
-@torch.library.register_fake("hyloop::silu", lib=_LIB)
-def _silu_fake(x: torch.Tensor) -> torch.Tensor:
+def contiguous_like(x: torch.Tensor, *_: object) -> torch.Tensor:
+    """The fake (meta) kernel of an op whose output is its first input's shape and dtype."""
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+torch.library.register_fake("hyloop::silu", contiguous_like, lib=_LIB)
 
 
 @torch.library.custom_op("hyloop::attention_reference", mutates_args=())
@@ -225,16 +217,7 @@ def attention_op(
     return attention(q, k_buf, v_buf, slots, bias, scale)
 
 
-@attention_op.register_fake
-def _(
-    q: torch.Tensor,
-    k_buf: torch.Tensor,
-    v_buf: torch.Tensor,
-    slots: torch.Tensor,
-    bias: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
+attention_op.register_fake(contiguous_like)
 
 
 @torch.library.custom_op("hyloop::dense_reference", mutates_args=())

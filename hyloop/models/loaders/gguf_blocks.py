@@ -128,11 +128,6 @@ class GGUFBlocks:
     permute_heads: int = 0
 
     @property
-    def bits_per_weight(self) -> float:
-        block, size = GGML_QUANT_SIZES[self.qtype]
-        return 8 * size / block
-
-    @property
     def is_int4(self) -> bool:
         """Whether ``int4_groups`` converts it without loss."""
         return self.qtype in INT4_DECODERS

@@ -76,13 +76,17 @@ def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return s.float()
 
 
-def _quant_linear(
+@torch.library.custom_op("hyloop::quant_linear", mutates_args=())
+def quant_linear(
     x: torch.Tensor,
     codes: torch.Tensor,
     scale: torch.Tensor,
     mins: torch.Tensor | None,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
+    """``x [.., K]`` times a weight-only weight as the module docstring defines it: ``codes
+    [N, K]`` (uint8 in [0, 15] with ``mins``: int4; int8 in [-127, 127] without), ``scale`` (and
+    ``mins``) float32 ``[N, K / 32]``; ``[.., N]`` in ``x``'s dtype."""
     n, k = codes.shape
     x2 = x.reshape(-1, k)
     q, d, fsum = quantize_activations(x2)
@@ -95,20 +99,6 @@ def _quant_linear(
     if bias is not None:
         acc += bias.float()
     return acc.to(x.dtype).view(*x.shape[:-1], n)
-
-
-@torch.library.custom_op("hyloop::quant_linear", mutates_args=())
-def quant_linear(
-    x: torch.Tensor,
-    codes: torch.Tensor,
-    scale: torch.Tensor,
-    mins: torch.Tensor | None,
-    bias: torch.Tensor | None,
-) -> torch.Tensor:
-    """``x [.., K]`` times a weight-only weight as the module docstring defines it: ``codes
-    [N, K]`` (uint8 in [0, 15] with ``mins``: int4; int8 in [-127, 127] without), ``scale`` (and
-    ``mins``) float32 ``[N, K / 32]``; ``[.., N]`` in ``x``'s dtype."""
-    return _quant_linear(x, codes, scale, mins, bias)
 
 
 @quant_linear.register_fake

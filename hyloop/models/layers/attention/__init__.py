@@ -1,19 +1,19 @@
-"""Paged attention and the compute paths its decode runs on."""
+"""Paged attention and the compute paths it runs on."""
 
-from hyloop.models.layers.attention.backends import (
+from hyloop.models.layers.attention.paged import (
+    AttentionMeta,
     CompiledPath,
     NativePath,
+    PagedAttention,
     TorchPath,
     compute_paths,
 )
-from hyloop.models.layers.attention.paged import AttentionMeta, PagedAttention, QKVAttention
 
 __all__ = [
     "AttentionMeta",
     "CompiledPath",
     "NativePath",
     "PagedAttention",
-    "QKVAttention",
     "TorchPath",
     "compute_paths",
 ]
