@@ -17,6 +17,17 @@ RESUME = (
 )
 
 
+# Each command's recipe (module:function of ``hyloop.recipes``), imported when it runs.
+RECIPES = {
+    "generate": "offline:run_generate",
+    "generate --ray": "ray_generate:run_generate_ray",
+    "run-batch": "run_batch:run_batch",
+    "warmup": "warmup:run_warmup",
+    "tts": "tts:run_tts",
+    "regress": "graph_vs_eager:run_regress",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command (``argv`` None: the process's own arguments, and the process ends after it;
     a list: a call from Python, e.g. a test, which leaves the process's signals alone)."""
@@ -53,6 +64,7 @@ def _quiet_teardown(code: int) -> None:
 def _main(argv: list[str] | None) -> int:
     # Imported here, under main's KeyboardInterrupt handler: a Ctrl-C this early ends quietly.
     import argparse
+    import importlib
     import logging
 
     from hyloop.recipes.job import Interrupted
@@ -141,29 +153,9 @@ def _main(argv: list[str] | None) -> int:
     if not getattr(args, "no_progress", False):  # a bucket's first capture can take a while
         logging.getLogger("hyloop.graphs").setLevel(logging.INFO)
     try:
-        if args.command == "generate" and args.ray is not None:
-            from hyloop.recipes.ray_generate import run_generate_ray
-
-            return run_generate_ray(args)
-        if args.command == "generate":
-            from hyloop.recipes.offline import run_generate
-
-            return run_generate(args)
-        if args.command == "run-batch":
-            from hyloop.recipes.run_batch import run_batch
-
-            return run_batch(args)
-        if args.command == "warmup":
-            from hyloop.recipes.warmup import run_warmup
-
-            return run_warmup(args)
-        if args.command == "tts":
-            from hyloop.recipes.tts import run_tts
-
-            return run_tts(args)
-        from hyloop.recipes.graph_vs_eager import run_regress
-
-        return run_regress(args)
+        ray = args.command == "generate" and args.ray is not None
+        module, _, name = RECIPES["generate --ray" if ray else args.command].partition(":")
+        return int(getattr(importlib.import_module(f"hyloop.recipes.{module}"), name)(args))
     except Interrupted as e:  # before any row ran: nothing to write
         print(f"hyloop: {e}; no row ran", file=sys.stderr)
         return e.exit_code

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
-from hyloop.api.chat import as_batch
 from hyloop.framework.outputs import Logprob, RequestOutput
 from hyloop.framework.prompts import cache_salt
 from hyloop.framework.sampling_params import (
@@ -193,25 +192,19 @@ class BeamSearch:
 
     def run(
         self,
-        prompts: Any,
+        prompts: list[Any],
         use_tqdm: bool | Callable[..., Any] = False,
         concurrency_limit: int | None = None,
     ) -> list[BeamSearchOutput]:
-        """The best beams of each prompt, in prompt order; ``concurrency_limit`` prompts are
-        searched at a time (None: all at once)."""
-        if prompts is None or not isinstance(prompts, str | dict | Sequence):
-            raise ValueError(
-                f"beam_search(): prompts of type {type(prompts).__name__}; expected a str, a "
-                "list of token ids, a TextPrompt / TokensPrompt dict, or a list of these"
-            )
+        """The best beams of each prompt (``LLM.beam_search``'s, as a list), in prompt order;
+        ``concurrency_limit`` prompts are searched at a time (None: all at once)."""
         limit = concurrency_limit
         if limit is not None and (not is_integer(limit) or limit < 1):
             raise ValueError(
                 f"beam_search(): concurrency_limit: got {limit!r}; expected None or an int >= 1"
             )
-        batch = as_batch(prompts)
         instances = []
-        for i, p in enumerate(batch):
+        for i, p in enumerate(prompts):
             where = f"beam_search prompts[{i}]"
             instances.append(BeamSearchInstance(self.engine.validate_prompt(where, p)))
             instances[-1].cache_salt = cache_salt(where, p)

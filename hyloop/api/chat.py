@@ -4,7 +4,6 @@ rendered with the checkpoint's chat template, as ``LLM.chat``, ``hyloop generate
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, Literal
 
 from hyloop.framework.prompts import TokensPrompt
@@ -113,29 +112,4 @@ def render_chat(
     assert isinstance(text, str)
     return TokensPrompt(
         prompt=text, prompt_token_ids=tokenizer.encode(text, add_special_tokens=False)
-    )
-
-
-def as_batch(prompts: Any) -> list[Any]:
-    """The prompts of one ``generate`` call: a single prompt becomes a list of one."""
-    if prompts is None:
-        raise ValueError(
-            "generate(): prompts is None; give a str, a list of token ids, a TextPrompt / "
-            "TokensPrompt dict, or a list of these"
-        )
-    if isinstance(prompts, str | dict) or _is_token_list(prompts):
-        return [prompts]
-    if isinstance(prompts, Sequence):
-        return list(prompts)
-    raise ValueError(
-        f"generate(): prompts of type {type(prompts).__name__}; expected a str, a list of "
-        "token ids, a TextPrompt / TokensPrompt dict, or a list of these"
-    )
-
-
-def _is_token_list(value: Any) -> bool:
-    return (
-        isinstance(value, list | tuple)
-        and bool(value)
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
     )

@@ -32,7 +32,6 @@ class _Parent:
     children: list[str] = field(default_factory=list)
     dropped: bool = False  # its add failed: its forks' (abort) outputs are swallowed
     samples: dict[int, CompletionOutput] = field(default_factory=dict)
-    last: RequestOutput | None = None
     finished: set[int] = field(default_factory=set)
 
 
@@ -68,9 +67,8 @@ class ParallelSamples:
                 params, n=1, best_of=None, seed=seed, logprobs=logprobs, output_kind=kind
             )
             forks.append((f"{j}_{request_id}", child))
-        for j, (child, _) in enumerate(forks):
-            self._children[child] = (parent, j)
-            parent.children.append(child)
+            self._children[forks[-1][0]] = (parent, j)
+            parent.children.append(forks[-1][0])
         self.parents[request_id] = parent
         return forks
 

@@ -44,10 +44,6 @@ def _dtype(value: str) -> list[str]:
     return [f"dtype={names[value]}"]
 
 
-def _device(value: str) -> list[str]:
-    return [] if value == "auto" else [f"device={value}"]
-
-
 def _generation_overrides(value: dict[str, Any]) -> list[str]:
     out = []
     for k, v in value.items():
@@ -91,7 +87,7 @@ _MAPPED: dict[str, tuple[Any, Callable[[Any], list[str]]]] = {
     "block_size": (int, _key("kv_pool.page_size")),
     "kv_cache_memory_bytes": (int, lambda v: [f"kv_pool.memory_budget_mb={v / _MB}"]),
     "gpu_memory_utilization": (float, _key("kv_pool.gpu_memory_utilization")),
-    "device": (str, _device),
+    "device": (str, lambda v: [] if v == "auto" else [f"device={v}"]),
     "generation_config": (str, _key("model.generation_config")),
     "override_generation_config": (json.loads, _generation_overrides),
     "max_logprobs": (int, _key("model.max_logprobs")),

@@ -13,7 +13,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from hyloop.api.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
-from hyloop.api.chat import as_batch, render_chat
+from hyloop.api.chat import render_chat
 from hyloop.api.engine import LLMEngine
 from hyloop.api.engine_args import EngineArgs
 from hyloop.framework.assembly import build_engine
@@ -89,9 +89,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Outputs in prompt order. ``prompts``: a str, a list of token ids, a TextPrompt /
         TokensPrompt dict, or a list of these."""
-        outs: dict[int, RequestOutput] = {}
-        for i, out in self.generate_iter(prompts, sampling_params, use_tqdm, lora_request):
-            outs[i] = out
+        outs = dict(self.generate_iter(prompts, sampling_params, use_tqdm, lora_request))
         return [outs[i] for i in range(len(outs))]
 
     def generate_iter(
@@ -160,7 +158,7 @@ class LLM:
         with self._calls:
             search = BeamSearch(self.engine, params, tag=f"beam-{self._counter}")
             self._counter += 1
-            return search.run(prompts, use_tqdm, concurrency_limit)
+            return search.run(as_batch(prompts, "beam_search"), use_tqdm, concurrency_limit)
 
     def chat(
         self,
@@ -277,3 +275,29 @@ def _close_engine(engine: LLMEngine) -> None:
     kv = engine.kind.pools.kv
     kv.k.clear()
     kv.v.clear()
+
+
+def as_batch(prompts: Any, call: str = "generate") -> list[Any]:
+    """The prompts of one ``generate`` (or ``beam_search``) call: a single prompt becomes a
+    list of one."""
+    if prompts is None:
+        raise ValueError(
+            f"{call}(): prompts is None; give a str, a list of token ids, a TextPrompt / "
+            "TokensPrompt dict, or a list of these"
+        )
+    if isinstance(prompts, str | dict) or _is_token_list(prompts):
+        return [prompts]
+    if isinstance(prompts, Sequence):
+        return list(prompts)
+    raise ValueError(
+        f"{call}(): prompts of type {type(prompts).__name__}; expected a str, a list of "
+        "token ids, a TextPrompt / TokensPrompt dict, or a list of these"
+    )
+
+
+def _is_token_list(value: Any) -> bool:
+    return (
+        isinstance(value, list | tuple)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )

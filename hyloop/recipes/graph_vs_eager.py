@@ -91,20 +91,15 @@ def batch_sizes(settings: RegressSettings, buckets: list[int]) -> list[int]:
     return sorted({n for b in buckets for n in (b - 1, b, b + 1) if n >= 1})
 
 
-def make_prompts(seed: int, n: int, lengths: tuple[int, int], vocab: int) -> list[list[int]]:
+def make_prompts(seed: int, n: int, lengths: tuple[int, int], vocab: int | list[int]) -> list[Any]:
+    """``n`` random prompts of token ids below ``vocab``, or (channel vocabularies) of rows
+    ``[C]``, one id per channel."""
     rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(rng.randint(*lengths))] for _ in range(n)]
 
+    def token() -> Any:
+        return rng.randrange(vocab) if isinstance(vocab, int) else [rng.randrange(v) for v in vocab]
 
-def make_row_prompts(
-    seed: int, n: int, lengths: tuple[int, int], channel_vocab: list[int]
-) -> list[list[list[int]]]:
-    """Multi-channel prompts: ``n`` lists of rows ``[C]`` (one id per channel's vocab)."""
-    rng = random.Random(seed)
-    return [
-        [[rng.randrange(v) for v in channel_vocab] for _ in range(rng.randint(*lengths))]
-        for _ in range(n)
-    ]
+    return [[token() for _ in range(rng.randint(*lengths))] for _ in range(n)]
 
 
 def run_wave(
@@ -165,11 +160,9 @@ def _run_all(
     for m, (mode, temp, seed) in enumerate(modes):
         for n in sizes:
             wave_seed = settings.prompt_seed * 1_000_003 + n * 101 + m
-            if llm.engine.derived.row_channels:  # multi-channel rows; tokens are row keys
-                vocab = list(llm.engine.derived.channel_vocab_sizes)
-                prompts: list[Any] = make_row_prompts(wave_seed, n, settings.prompt_len, vocab)
-            else:
-                prompts = make_prompts(wave_seed, n, settings.prompt_len, llm.engine.vocab_size)
+            d = llm.engine.derived  # multi-channel rows: their tokens are row keys
+            vocab = list(d.channel_vocab_sizes) if d.row_channels else llm.engine.vocab_size
+            prompts = make_prompts(wave_seed, n, settings.prompt_len, vocab)
             # ignore_eos keeps every request alive to max_tokens, so the decode batch stays N.
             fixed = {"temperature": temp, "max_tokens": settings.max_tokens, "ignore_eos": True}
             seeds = [None if seed is None else seed * 100_003 + i for i in range(n)]
@@ -319,9 +312,7 @@ def run_regress(args: argparse.Namespace, perturb: Perturb | None = None) -> int
     """The ``hyloop regress`` command: 0 pass, 1 mismatch or silent fallback."""
     files = list(args.config) or [CONFIG_DIR / "recipes/graph_vs_eager.yaml"]
     cfg, settings = load_recipe(files, args.overrides)
-    model = args.model or settings.checkpoint or cfg.model.path
-    if model is None:
-        model = default_checkpoint()
+    model = args.model or settings.checkpoint or cfg.model.path or default_checkpoint()
     report = regress(cfg, settings, model, perturb)
     print(render_report(report))
     if args.json:

@@ -60,6 +60,31 @@ def _same(a: Path, b: Path) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
 
 
+class InOrder:
+    """Writes result ``i``'s line once lines ``start..i-1`` are written: results come in any
+    order, the output keeps the input's, each line written whole as soon as order allows.
+    ``start``: lines already on disk (a resumed job); results for them are ignored."""
+
+    def __init__(self, out: Any, start: int = 0) -> None:
+        self.out, self.start, self.written = out, start, start
+        self.pending: dict[int, Any] = {}
+
+    def put(self, i: int, result: Any) -> None:
+        if i < self.start:
+            return
+        self.pending[i] = result
+        text = []
+        while self.written in self.pending:
+            text.append(self.line(self.written, self.pending.pop(self.written)))
+            self.written += 1
+        if text:
+            self.out.write("".join(text))
+
+    def line(self, i: int, result: Any) -> str:
+        """Result ``i`` as its output line."""
+        return json.dumps(result) + "\n"
+
+
 class JobOutput:
     """``check`` before the model loads, ``open`` once it has, then ``write`` each line."""
 
@@ -153,9 +178,6 @@ class JobOutput:
         data = text.encode("utf-8")
         while data:
             data = data[os.write(self._fd, data) :]
-
-    def flush(self) -> None:
-        """Nothing to flush: ``write`` leaves no buffer behind."""
 
     def close(self) -> None:
         """Close the file; once it holds a line per input line, the resume record goes."""

@@ -15,7 +15,7 @@ import importlib.util
 import json
 import re
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -69,24 +69,12 @@ def default_checkpoint() -> Path:
     return files[0]
 
 
-def read_json_lines(path: str) -> list[tuple[int, Any]]:
-    """``(line number, value)`` of each non-blank line; invalid JSON names the line."""
-    values = []
-    with open(path) as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                values.append((n, json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: invalid JSON ({e})") from e
-    return values
-
-
-def read_rows(path: str) -> tuple[bytes, list[Line]]:
+def read_rows(
+    path: str, check: Callable[[str, Any], None] | None = None
+) -> tuple[bytes, list[Line]]:
     """The input's bytes and every non-blank line of ``path``, each checked for structure
-    (``check_row``): a bad one (not UTF-8, not JSON, a bad field) carries its error, and the
-    others still run."""
+    (``check``, by default ``check_row``): a bad one (not UTF-8, not JSON, a bad field) carries
+    its error, and the others still run."""
     data, texts = read_input(path)
     lines = []
     for n, text in enumerate(texts, 1):
@@ -102,7 +90,7 @@ def read_rows(path: str) -> tuple[bytes, list[Line]]:
             continue
         row = value if isinstance(value, dict) else None
         try:
-            check_row(f"{path}:{n}", value)
+            (check or check_row)(f"{path}:{n}", value)
         except ValueError as e:
             lines.append(Line(n, row, str(e)))
             continue
@@ -114,12 +102,6 @@ def check_model(model: str, flag: str = "--model") -> None:
     """The checkpoint path exists (checked before any output is created)."""
     if not Path(model).exists():
         raise FileNotFoundError(f"{flag} {model}: no such file or directory")
-
-
-def seed_unseeded(params: SamplingParams, config_seed: int, row: dict[str, Any], n: int) -> None:
-    """A row without a seed samples from ``row_seed`` of its ``id`` (else its line number)."""
-    if params.seed is None:
-        params.seed = row_seed(config_seed, row_key(row, n))
 
 
 def check_row(where: str, value: Any) -> None:
@@ -152,17 +134,12 @@ def check_row(where: str, value: Any) -> None:
     row_params(where, value, SamplingParams())
 
 
-def chat_prompt(where: str, messages: Any, tok: TextTokenizer | None) -> TokensPrompt:
-    """The chat rendered with the model's chat template: the text prompt ``LLM.chat`` sends."""
-    return render_chat(f"{where}: messages", messages, tok)
-
-
 def row_prompt(where: str, row: dict[str, Any], tok: TextTokenizer | None) -> Prompt:
     """The prompt a row gives (a chat rendered with the model's template), unchecked against
     the engine; a field of the wrong type raises naming ``where``."""
     # Check the field the row used: a string in prompt_token_ids is no text prompt.
-    if "messages" in row:
-        return chat_prompt(where, row["messages"], tok)
+    if "messages" in row:  # rendered with the model's template, as ``LLM.chat`` sends it
+        return render_chat(f"{where}: messages", row["messages"], tok)
     if "prompt" in row:
         prompt = row["prompt"]
         if not isinstance(prompt, str):
@@ -268,7 +245,8 @@ def run_generate(args: argparse.Namespace) -> int:
                     except (ValueError, TypeError) as e:
                         line.error = error_text(where, e)
                         continue
-                    seed_unseeded(params, cfg.seed, line.row, line.number)
+                    if params.seed is None:  # from the row's ``id``, else its line number
+                        params.seed = row_seed(cfg.seed, row_key(line.row, line.number))
                     ready.append((i, prompt, params))
         else:  # the built-in demo: greedy, each prompt as a chat when the model has a template
             tok = llm.tokenizer

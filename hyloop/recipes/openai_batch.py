@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import difflib
 import json
-import reprlib
+import re
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -16,7 +16,7 @@ from typing import Any
 from hyloop.api.chat import check_messages
 from hyloop.framework.sampling_params import NotSupportedError, SamplingParams, is_integer
 from hyloop.recipes.job import check_strings
-from hyloop.recipes.openai_constraints import GUIDED, structured_outputs
+from hyloop.recipes.openai_constraints import GUIDED, short, structured_outputs
 
 CHAT, COMPLETION = "/v1/chat/completions", "/v1/completions"
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
@@ -48,13 +48,11 @@ UNSUPPORTED = {
     *("store", "metadata", "prompt_logprobs", "echo", "suffix", "stream"),
 }
 # render_chat's own parameters, which chat_template_kwargs may not set.
+_SURROGATE = re.compile("[\ud800-\udfff]")  # what strict UTF-8 cannot encode
 _RESERVED_KWARGS = {
     *("add_generation_prompt", "continue_final_message", "chat_template", "content_format"),
     *("tools", "tokenize", "conversation", "messages"),
 }
-_repr = reprlib.Repr()
-_repr.maxstring = _repr.maxother = 60
-_short = _repr.repr  # a value quoted in an error message, cut short
 
 
 class RowError(ValueError):
@@ -123,9 +121,9 @@ def _parse(row: BatchRow, text: str, seen: set[str], served: str | None) -> None
     except json.JSONDecodeError as e:
         raise RowError(f"{where}: invalid JSON ({e})") from None
     if not isinstance(obj, dict):
-        raise RowError(f"{where}: got {_short(obj)}; expected a JSON object")
+        raise RowError(f"{where}: got {short(obj)}; expected a JSON object")
     cid = obj.get("custom_id")
-    if _encodable(cid):
+    if isinstance(cid, str) and not _SURROGATE.search(cid):  # UTF-8 can encode it
         row.custom_id = cid  # its error line names it, whatever else is wrong
     check_strings(where, obj)  # a lone surrogate could reach neither a tokenizer nor the output
     for key in ("custom_id", "method", "url", "body"):
@@ -137,26 +135,26 @@ def _parse(row: BatchRow, text: str, seen: set[str], served: str | None) -> None
             f"{where}: unknown field {unknown[0]!r} (a row has custom_id, method, url, body)"
         )
     if not isinstance(obj["custom_id"], str):
-        raise RowError(f"{where}: custom_id: got {_short(obj['custom_id'])}; expected a string")
+        raise RowError(f"{where}: custom_id: got {short(obj['custom_id'])}; expected a string")
     if obj["custom_id"] in seen:
         raise RowError(f"{where}: custom_id {obj['custom_id']!r} is used by an earlier line")
     seen.add(obj["custom_id"])
     if obj["method"] != "POST":
-        raise RowError(f"{where}: method: got {_short(obj['method'])}; expected 'POST'")
+        raise RowError(f"{where}: method: got {short(obj['method'])}; expected 'POST'")
     if obj["url"] not in FIELDS:
         raise RowError(
-            f"{where}: url: got {_short(obj['url'])}; run-batch serves {CHAT!r} and {COMPLETION!r}",
+            f"{where}: url: got {short(obj['url'])}; run-batch serves {CHAT!r} and {COMPLETION!r}",
             status=404,
             code="not_found",
         )
     if not isinstance(obj["body"], dict):
-        raise RowError(f"{where}: body: got {_short(obj['body'])}; expected a JSON object")
+        raise RowError(f"{where}: body: got {short(obj['body'])}; expected a JSON object")
     row.url, row.body = obj["url"], obj["body"]
     _check_fields(where, row.url, row.body, served)
     row.sampling = sampling_fields(where, row.url, row.body)
     salt = row.body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
-        raise RowError(f"{where}: body.cache_salt: got {_short(salt)}; expected a non-empty string")
+        raise RowError(f"{where}: body.cache_salt: got {short(salt)}; expected a non-empty string")
     row.cache_salt = salt
     if row.url == CHAT:
         row.chat_kwargs = _chat_kwargs(where, row.body)
@@ -170,7 +168,7 @@ def _check_fields(where: str, url: str, body: dict[str, Any], served: str | None
         value = body[key]
         if key in UNSUPPORTED and value not in (None, False, [], {}, ""):
             raise NotSupportedError(
-                f"{where}: body.{key}={_short(value)} is not supported by hyloop"
+                f"{where}: body.{key}={short(value)} is not supported by hyloop"
             )
         if key not in known and key not in UNSUPPORTED:
             near = difflib.get_close_matches(key, sorted(known), n=2, cutoff=0.8)
@@ -181,7 +179,7 @@ def _check_fields(where: str, url: str, body: dict[str, Any], served: str | None
         raise RowError(f"{where}: body: no `{needed}` (required by {url})")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise RowError(f"{where}: body.model: got {_short(model)}; expected a string")
+        raise RowError(f"{where}: body.model: got {short(model)}; expected a string")
     if served is not None and model is not None and model != served:
         raise RowError(
             f"{where}: body.model: the model {model!r} does not exist; this batch serves "
@@ -199,7 +197,7 @@ def sampling_fields(where: str, url: str, body: dict[str, Any]) -> dict[str, Any
     given = {k: body[k] for k in names if body.get(k) is not None}
     for key, value in given.items():
         if not is_integer(value) or value < 1:
-            raise RowError(f"{where}: body.{key}: got {_short(value)}; expected an int >= 1")
+            raise RowError(f"{where}: body.{key}: got {short(value)}; expected an int >= 1")
     if len(set(given.values())) > 1:
         raise RowError(f"{where}: body: max_completion_tokens and max_tokens differ; give one")
     if given:
@@ -208,16 +206,16 @@ def sampling_fields(where: str, url: str, body: dict[str, Any]) -> dict[str, Any
     if url == CHAT:
         top = body.get("top_logprobs")
         if logprobs is not None and not isinstance(logprobs, bool):
-            raise RowError(f"{where}: body.logprobs: got {_short(logprobs)}; expected a bool")
+            raise RowError(f"{where}: body.logprobs: got {short(logprobs)}; expected a bool")
         if top is not None and (not is_integer(top) or not 0 <= top <= MAX_LOGPROBS):
-            raise RowError(f"{where}: body.top_logprobs: got {_short(top)}; {_IN_RANGE}")
+            raise RowError(f"{where}: body.top_logprobs: got {short(top)}; {_IN_RANGE}")
         if top and not logprobs:
             raise RowError(f"{where}: body.top_logprobs needs body.logprobs: true")
         if logprobs:
             out["logprobs"] = top or 0
     else:
         if logprobs is not None and (not is_integer(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
-            raise RowError(f"{where}: body.logprobs: got {_short(logprobs)}; {_IN_RANGE}")
+            raise RowError(f"{where}: body.logprobs: got {short(logprobs)}; {_IN_RANGE}")
         if logprobs is not None:
             out["logprobs"] = logprobs
         if body.get("best_of") is not None:
@@ -235,7 +233,7 @@ def _chat_kwargs(where: str, body: dict[str, Any]) -> dict[str, Any]:
     for key in ("add_generation_prompt", "continue_final_message"):
         value = body.get(key)
         if value is not None and not isinstance(value, bool):
-            raise RowError(f"{where}: body.{key}: got {_short(value)}; expected a bool")
+            raise RowError(f"{where}: body.{key}: got {short(value)}; expected a bool")
         if value is not None:
             kwargs[key] = value
     if kwargs.get("continue_final_message"):  # the last message is continued, not answered
@@ -246,13 +244,13 @@ def _chat_kwargs(where: str, body: dict[str, Any]) -> dict[str, Any]:
         kwargs["add_generation_prompt"] = False
     template = body.get("chat_template")
     if template is not None and not isinstance(template, str):
-        raise RowError(f"{where}: body.chat_template: got {_short(template)}; expected a string")
+        raise RowError(f"{where}: body.chat_template: got {short(template)}; expected a string")
     if template is not None:
         kwargs["chat_template"] = template
     extra = body.get("chat_template_kwargs")
     if extra is not None and not isinstance(extra, dict):
         raise RowError(
-            f"{where}: body.chat_template_kwargs: got {_short(extra)}; expected an object"
+            f"{where}: body.chat_template_kwargs: got {short(extra)}; expected an object"
         )
     for key in sorted(extra or {}):
         if key in _RESERVED_KWARGS:
@@ -278,19 +276,9 @@ def completion_prompt(where: str, prompt: Any) -> str | list[int]:
     if _token_ids(prompt):
         return list(prompt)
     raise RowError(
-        f"{where}: body.prompt: got {_short(prompt)}; expected a non-empty string, a list of "
+        f"{where}: body.prompt: got {short(prompt)}; expected a non-empty string, a list of "
         "token ids, or a list of one of those"
     )
-
-
-def _encodable(value: object) -> bool:
-    if not isinstance(value, str):
-        return False
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _token_ids(value: object) -> bool:

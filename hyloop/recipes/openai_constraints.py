@@ -16,7 +16,7 @@ GUIDED = {f"guided_{name}": name for name in ("json", "regex", "choice", "gramma
 _RESPONSE_FORMATS = ("text", "json_object", "json_schema", "structural_tag")
 _repr = reprlib.Repr()
 _repr.maxstring = _repr.maxother = 60
-_short = _repr.repr
+short = _repr.repr  # a value quoted in an error message, cut short
 
 
 def structured_outputs(where: str, body: dict[str, Any]) -> StructuredOutputsParams | None:
@@ -26,7 +26,7 @@ def structured_outputs(where: str, body: dict[str, Any]) -> StructuredOutputsPar
     label = f"{where}: body.structured_outputs"
     values = body.get("structured_outputs")
     if values is not None and not isinstance(values, dict):
-        raise ValueError(f"{label}: got {_short(values)}; expected an object of its fields")
+        raise ValueError(f"{label}: got {short(values)}; expected an object of its fields")
     values = dict(values or {})
     # (body path, StructuredOutputsParams field, value) of each other field that sets one
     given = [(key, name, body[key]) for key, name in GUIDED.items() if body.get(key) is not None]
@@ -60,14 +60,14 @@ def _response_format(where: str, value: Any) -> list[tuple[str, str, Any]]:
     if value is None or kind == "text":
         return []
     if kind not in _RESPONSE_FORMATS:
-        raise ValueError(f"{label}: got {_short(value)}; expected a type in {_RESPONSE_FORMATS}")
+        raise ValueError(f"{label}: got {short(value)}; expected a type in {_RESPONSE_FORMATS}")
     if kind == "json_object":
         return [("response_format", "json_object", True)]
     if kind == "structural_tag":  # the whole object, as vLLM passes it on
         return [("response_format", "structural_tag", json.dumps(value))]
     spec = value.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-        raise ValueError(f"{label}.json_schema: got {_short(spec)}; expected an object with a name")
+        raise ValueError(f"{label}.json_schema: got {short(spec)}; expected an object with a name")
     # NOTE: a misspelt schema key would leave the output unconstrained, so none pass.
     keys = ("name", "schema", "strict", "description")
     unknown = sorted(set(spec) - set(keys))
@@ -75,5 +75,5 @@ def _response_format(where: str, value: Any) -> list[tuple[str, str, Any]]:
         raise ValueError(f"{label}.json_schema: unknown field {unknown[0]!r}; expected {keys}")
     schema = spec.get("schema")
     if schema is not None and not isinstance(schema, dict):
-        raise ValueError(f"{label}.json_schema.schema: got {_short(schema)}; expected an object")
+        raise ValueError(f"{label}.json_schema.schema: got {short(schema)}; expected an object")
     return [] if schema is None else [("response_format.json_schema.schema", "json", schema)]

@@ -26,7 +26,7 @@ from typing import Any
 
 from hyloop.framework.outputs import RequestOutput
 from hyloop.framework.sampling_params import SamplingParams
-from hyloop.recipes.job_output import JobOutput
+from hyloop.recipes.job_output import InOrder, JobOutput
 
 PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")  # a row gives exactly one
 RECORD_FIELDS = (  # what every record of a row that ran adds
@@ -91,33 +91,19 @@ def failed_fields(error: str) -> dict[str, Any]:
     }
 
 
-class RecordWriter:
-    """Writes each line's record in input order as results come in, in any order: to ``out``
-    (a ``JobOutput``; with no path, the texts to stdout); errors also go to stderr. ``start``:
-    lines already on disk (a resumed job). Leaving with rows missing is an error unless
-    ``partial`` (a drained job: they run on resume)."""
+class RecordWriter(InOrder):
+    """Writes each line's record in input order (``InOrder``) to ``out`` (a ``JobOutput``;
+    with no path, the texts to stdout); errors also go to stderr. Leaving with rows missing is
+    an error unless ``partial`` (a drained job: they run on resume)."""
 
     def __init__(self, out: JobOutput, lines: list[Line], start: int = 0) -> None:
-        self.lines, self.out = lines, out
-        self.to_file = out.path is not None
-        self.pending: dict[int, dict[str, Any]] = {}
-        self.start = self.written = start
+        super().__init__(out, start)
+        self.lines, self.to_file = lines, out.path is not None
         self.failed = self.prompt_tokens = self.cached_tokens = 0
         self.partial = False
 
-    def put(self, i: int, result: dict[str, Any]) -> None:
-        if i < self.start:
-            return
-        self.pending[i] = result
-        text = []
-        while self.written in self.pending:
-            text.append(self._record(self.lines[self.written], self.pending.pop(self.written)))
-            self.written += 1
-        if self.to_file and text:
-            self.out.write("".join(text))
-
-    def _record(self, line: Line, result: dict[str, Any]) -> str:
-        rec = dict(line.row or {})
+    def line(self, i: int, result: dict[str, Any]) -> str:
+        rec = dict(self.lines[i].row or {})
         if result["error"] is not None:
             self.failed += 1
             rec = {**rec, "error": result["error"]}

@@ -24,7 +24,7 @@ from hyloop.api.llm import LLM
 from hyloop.framework.prompts import TokensPrompt
 from hyloop.framework.sampling_params import RequestOutputKind, SamplingParams
 from hyloop.recipes.job import JobSignals, read_input, row_seed
-from hyloop.recipes.job_output import JobOutput, fingerprint
+from hyloop.recipes.job_output import InOrder, JobOutput, fingerprint
 from hyloop.recipes.offline import check_model, default_checkpoint
 from hyloop.recipes.openai_batch import CHAT, BatchRow, RowError, parse_rows
 from hyloop.recipes.openai_lines import error_line, success_line
@@ -33,30 +33,22 @@ __all__ = ["OrderedWriter", "error_line", "run_batch", "run_rows", "success_line
 log = logging.getLogger(__name__)
 
 
-class OrderedWriter:
-    """Writes output line ``i`` once lines ``0..i-1`` are written: results come in any order,
-    the file keeps the input's, each line written whole as soon as order allows. ``start``:
-    lines already on disk (a resumed job); results for them are ignored."""
+class OrderedWriter(InOrder):
+    """The output in input order (``InOrder``), counting the rows that failed; each result
+    ticks ``bar``."""
 
     def __init__(self, fh: Any, bar: Any, start: int = 0) -> None:
-        self.fh, self.bar = fh, bar
-        self.next = self.start = start
-        self.waiting: dict[int, dict[str, Any]] = {}
-        self.errors = 0
+        super().__init__(fh, start)
+        self.bar, self.errors = bar, 0
 
     def put(self, index: int, record: dict[str, Any]) -> None:
-        if index < self.start:
-            return
-        self.waiting[index] = record
-        self.errors += record["error"] is not None
-        self.bar.update(1)
-        out = []
-        while self.next in self.waiting:
-            out.append(json_line(self.waiting.pop(self.next)))
-            self.next += 1
-        if out:
-            self.fh.write("".join(out))
-            self.fh.flush()
+        if index >= self.start:
+            self.errors += record["error"] is not None
+            self.bar.update(1)
+        super().put(index, record)
+
+    def line(self, i: int, result: dict[str, Any]) -> str:
+        return json_line(result)
 
 
 def json_line(record: dict[str, Any]) -> str:
@@ -112,7 +104,7 @@ def run_batch(args: argparse.Namespace) -> int:
         print("\n" + summary, file=sys.stderr)
     where = "stdout" if args.output_file == "-" else args.output_file
     if signals.exit_code is not None:
-        return signals.report("run-batch", writer.next, len(rows), where, "lines")
+        return signals.report("run-batch", writer.written, len(rows), where, "lines")
     print(f"run-batch: {len(rows)} lines to {where}, {writer.errors} errors", file=sys.stderr)
     return 0
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import json
 import re
 import sys
 from dataclasses import dataclass
@@ -31,9 +30,9 @@ import numpy as np
 
 from hyloop.api.engine_args import EngineArgs
 from hyloop.framework.prompts import row_prompt
-from hyloop.recipes.job import JobSignals, check_strings, read_input, row_key, row_seed
+from hyloop.recipes.job import JobSignals, check_strings, row_key, row_seed
 from hyloop.recipes.job_output import JobOutput, fingerprint
-from hyloop.recipes.offline import check_model
+from hyloop.recipes.offline import check_model, read_rows
 from hyloop.recipes.records import Line, same_record
 from hyloop.recipes.tts_records import FrameWriter
 from hyloop.tts import ToneCodec, TTSEngine, TTSParams, TTSPrompt
@@ -98,31 +97,20 @@ def load_requests(path: str) -> tuple[bytes, list[Entry]]:
     """Every non-blank line, checked without the model; a bad one carries its error
     (``<input>:<line>: <field>: <reason>``) and the others still run."""
     base = Path(path).parent
-    data, texts = read_input(path)
-    entries = []
-    for n, text in enumerate(texts, 1):
-        where = f"{path}:{n}"
-        if isinstance(text, ValueError):
-            entries.append(Entry(Line(n, None, str(text))))
-            continue
-        if not text.strip():
-            continue
-        try:
-            row = json.loads(text)
-        except json.JSONDecodeError as e:
-            entries.append(Entry(Line(n, None, f"{where}: invalid JSON ({e})")))
-            continue
-        entry = Entry(Line(n, row if isinstance(row, dict) else None))
+    ready: dict[str, tuple[Any, TTSParams]] = {}
+
+    def check(where: str, row: Any) -> None:
         try:
             if not isinstance(row, dict):
                 raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
             check_strings(where, row)
-            entry.prompt, fields = _prompt(row, base, where)
-            entry.params = TTSParams.from_dict(fields, where)
+            prompt, fields = _prompt(row, base, where)
+            ready[where] = (prompt, TTSParams.from_dict(fields, where))
         except ValueError as e:
-            entry.line.error = _field_error(where, str(e))
-        entries.append(entry)
-    return data, entries
+            raise ValueError(_field_error(where, str(e))) from None
+
+    data, lines = read_rows(path, check)
+    return data, [Entry(n, *ready.get(f"{path}:{n.number}", (None, None))) for n in lines]
 
 
 def _field_error(where: str, message: str) -> str:

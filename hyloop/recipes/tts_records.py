@@ -6,30 +6,27 @@ fields plus ``frames`` (the generated rows' ``.npy``, beside the output), ``num_
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from hyloop.recipes.job_output import JobOutput
+from hyloop.recipes.job_output import InOrder, JobOutput
 from hyloop.recipes.records import Line
 from hyloop.tts import write_wav
 
 
-class FrameWriter:
-    """Writes line ``n``'s record once lines ``0..n-1`` are out; its ``.npy`` / ``.wav`` files
-    are written first, so a record on disk always has its files. ``start``: lines already on
-    disk (a resumed job)."""
+class FrameWriter(InOrder):
+    """Writes line ``n``'s record in input order (``InOrder``); its ``.npy`` / ``.wav`` files
+    are written first, so a record on disk always has its files."""
 
     def __init__(self, out: JobOutput, path: Path, lines: list[Line], start: int = 0) -> None:
-        self.out, self.path, self.lines = out, path, lines
-        self.written = start
+        super().__init__(out, start)
+        self.path, self.lines = path, lines
         self.failed = 0
-        self.pending: dict[int, dict[str, Any]] = {}
 
-    def put(self, n: int, result: Any, error: str | None) -> None:
+    def put(self, n: int, result: Any, error: str | None = None) -> None:
         rec = dict(self.lines[n].row or {})
         if error is not None:
             self.failed += 1
@@ -37,13 +34,7 @@ class FrameWriter:
             print(f"hyloop: error: {error}", file=sys.stderr)
         else:
             rec.update(self._files(n, result))
-        self.pending[n] = rec
-        text = []
-        while self.written in self.pending:
-            text.append(json.dumps(self.pending.pop(self.written)) + "\n")
-            self.written += 1
-        if text:
-            self.out.write("".join(text))
+        super().put(n, rec)
 
     def _files(self, n: int, out: Any) -> dict[str, Any]:
         frames = self.path.with_name(f"{self.path.stem}.{n}.npy")
