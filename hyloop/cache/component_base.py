@@ -135,7 +135,17 @@ class CacheComponent(TreeHook):
         """``node`` was just added with a FULL value."""
 
     def on_delete(self, node: TreeNode) -> None:
-        """``node`` leaves the tree: release this component's data."""
+        """``node`` leaves the tree: release this component's data (``drop`` unless a component
+        says otherwise)."""
+        self.drop(node)
+
+    def check_sizes(self, evictable: int, protected: int) -> None:
+        """The counters ``check`` recomputed from the tree equal the kept ones."""
+        if (evictable, protected) != (self.evictable, self.protected):
+            raise AssertionError(
+                f"{self.name}: sizes (evictable, protected) = "
+                f"{(self.evictable, self.protected)}, recomputed {(evictable, protected)}"
+            )
 
     def drop(self, node: TreeNode) -> int:
         """Tombstone this component's (unlocked) data on ``node``, which stays in the tree;

@@ -93,11 +93,7 @@ class FullComponent(CacheComponent):
 
     def note_leaf(self, node: TreeNode) -> None:
         """``node`` may have become an evictable leaf: give it a heap entry."""
-        if (
-            node.parent is not None
-            and not node.children
-            and node.component_data[FULL].lock_ref == 0
-        ):
+        if node.parent is not None and self._is_evictable_leaf(node):
             self.heap.push(node)
 
     # -- match / structure ----------------------------------------------------------------------
@@ -234,11 +230,7 @@ class FullComponent(CacheComponent):
                 evictable += node.length
                 if not node.children and not self.heap.has_entry(node):
                     raise AssertionError(f"full: evictable leaf {node.id} has no heap entry")
-        if (evictable, protected) != (self.evictable, self.protected):
-            raise AssertionError(
-                f"full: sizes (evictable, protected) = {(self.evictable, self.protected)}, "
-                f"recomputed {(evictable, protected)}"
-            )
+        self.check_sizes(evictable, protected)
 
     def check_ledger(self, nodes: list[TreeNode], held: dict[str, int]) -> None:
         tree = check_pages("kv", [n.component_data[FULL].value for n in nodes], self.allocator)

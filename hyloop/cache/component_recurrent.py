@@ -103,9 +103,6 @@ class RecurrentComponent(CacheComponent):
         self.evictable -= 1
         return 1
 
-    def on_delete(self, node: TreeNode) -> None:
-        self.drop(node)
-
     def free(self, items: list[int]) -> None:
         self.allocator.free(items)
 
@@ -164,11 +161,7 @@ class RecurrentComponent(CacheComponent):
                 evictable += 1
         if len(listed) != len(seen):
             raise AssertionError("recurrent: LRU holds nodes that are not in the tree")
-        if (evictable, protected) != (self.evictable, self.protected):
-            raise AssertionError(
-                f"recurrent: sizes (evictable, protected) = {(self.evictable, self.protected)}, "
-                f"recomputed {(evictable, protected)}"
-            )
+        self.check_sizes(evictable, protected)
 
     def check_ledger(self, nodes: list[TreeNode], held: dict[str, int]) -> None:
         tree = [n.component_data[RECURRENT].value for n in nodes]

@@ -199,9 +199,6 @@ class SWAComponent(CacheComponent):
         self.evictable -= node.length
         return node.length
 
-    def on_delete(self, node: TreeNode) -> None:
-        self.drop(node)
-
     def free(self, items: list[torch.Tensor]) -> None:
         assert self.allocator is not None
         self.allocator.free(torch.cat(items))
@@ -311,11 +308,7 @@ class SWAComponent(CacheComponent):
                 evictable += node.length
         if len(listed) != sum(1 for n in nodes if n.component_data[SWA].value is not None):
             raise AssertionError("swa: LRU holds nodes that are not in the tree")
-        if (evictable, protected) != (self.evictable, self.protected):
-            raise AssertionError(
-                f"swa: sizes (evictable, protected) = {(self.evictable, self.protected)}, "
-                f"recomputed {(evictable, protected)}"
-            )
+        self.check_sizes(evictable, protected)
 
     def check_ledger(self, nodes: list[TreeNode], held: dict[str, int]) -> None:
         """A pool of its own: what the tree holds of it (the pool's ledger with the requests'

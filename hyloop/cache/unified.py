@@ -166,27 +166,12 @@ def build_cache(
     data when the KV pool has a sliding-window pool (of the model contract's
     ``sliding_window``), snapshots when there is a recurrent one; ``marks``: hooks over the
     tree's nodes that keep no data (position-independent reuse's approximate KV)."""
+    cls = UnifiedRadixCache if enable else NoReuseCache
     if kv.swa is not None:
         if sliding_window is None:
             raise ValueError("a sliding-window pool needs the model's sliding_window")
-        if not enable:
-            return NoReuseCache(kv.allocator, kv.page_size, ("full", "swa"), sliding_window)
-        return UnifiedRadixCache(
-            kv_allocator=kv.allocator,
-            page_size=kv.page_size,
-            components=("full", "swa"),
-            sliding_window=sliding_window,
-            swa_allocator=kv.swa.allocator,
-            swa_lock_granule=swa_lock_granule,
-        )
-    cls = UnifiedRadixCache if enable else NoReuseCache
+        own, granule = (kv.swa.allocator, swa_lock_granule) if enable else (None, None)
+        return cls(kv.allocator, kv.page_size, ("full", "swa"), sliding_window, None, own, granule)
     if recurrent is not None:
-        return cls(
-            kv_allocator=kv.allocator,
-            page_size=kv.page_size,
-            components=("full", "recurrent"),
-            recurrent_allocator=recurrent,
-        )
-    if not enable:
-        return NoReuseCache(kv_allocator=kv.allocator, page_size=kv.page_size, components=("full",))
-    return UnifiedRadixCache(kv.allocator, kv.page_size, marks=marks)
+        return cls(kv.allocator, kv.page_size, ("full", "recurrent"), recurrent_allocator=recurrent)
+    return cls(kv.allocator, kv.page_size, marks=marks if enable else ())

@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from omegaconf import OmegaConf
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from hyloop.framework.config_files import ConfigError, merge_config
@@ -281,7 +280,3 @@ def _format(e: ValidationError) -> str:
         else:
             lines.append(f"{key}: got {value!r}; {err['msg']}")
     return "invalid config:\n  " + "\n  ".join(lines)
-
-
-def dump_config(cfg: EngineConfig) -> str:
-    return OmegaConf.to_yaml(OmegaConf.create(cfg.model_dump()))

@@ -107,28 +107,18 @@ class DonorIndex:
         ]
         all_cuts = self.chunker.cuts_many(seqs)
         for p, node, ids, cuts in zip(pending, nodes, seqs, all_cuts, strict=True):
-            self._register(p[0].extra_key, ids, node, cuts, p[2], p[4])
-
-    def _register(
-        self,
-        extra_key: Hashable,
-        ids: np.ndarray,
-        node: TreeNode,
-        cuts: list[tuple[int, int, bool]],
-        held_before: int,
-        rows: np.ndarray | None,
-    ) -> None:
-        # Walk up from the deepest node; each chunk is anchored on the node holding its end.
-        for start, end, closed in reversed(cuts):
-            if end <= held_before:
-                break
-            if not closed:
-                continue
-            while node.start_depth >= end:
-                assert node.parent is not None
-                node = node.parent
-            fp = 0 if self.force_collisions else fingerprint(ids[start:end])
-            self._add(DonorEntry(extra_key, fp, start, end, node, rows))
+            key, held_before, rows = p[0].extra_key, p[2], p[4]
+            # Walk up from the deepest node; each chunk is anchored on the node holding its end.
+            for start, end, closed in reversed(cuts):
+                if end <= held_before:
+                    break
+                if not closed:
+                    continue
+                while node.start_depth >= end:
+                    assert node.parent is not None
+                    node = node.parent
+                fp = 0 if self.force_collisions else fingerprint(ids[start:end])
+                self._add(DonorEntry(key, fp, start, end, node, rows))
 
     def _add(self, entry: DonorEntry) -> None:
         bucket = self._by_key.setdefault((entry.extra_key, entry.fingerprint), [])
