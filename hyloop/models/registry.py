@@ -7,6 +7,7 @@ families whose architecture names vary between releases).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -36,6 +37,37 @@ def text_config(hf_config: dict[str, Any]) -> dict[str, Any]:
         merged.update(nested)
         return merged
     return dict(hf_config)
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """The sizes every decoder-only architecture here reads alike from its HF config
+    (``decoder_sizes``); each architecture's spec adds its own."""
+
+    vocab_size: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_positions: int
+    tie_word_embeddings: bool
+
+
+def decoder_sizes(cfg: dict[str, Any], max_positions: int, tied: bool) -> dict[str, Any]:
+    """``DecoderSpec``'s fields from a text config; ``max_positions`` and ``tied``: the
+    architecture's defaults for ``max_position_embeddings`` and ``tie_word_embeddings``."""
+    heads = int(cfg["num_attention_heads"])
+    return {
+        "vocab_size": int(cfg["vocab_size"]),
+        "hidden_size": int(cfg["hidden_size"]),
+        "num_heads": heads,
+        "num_kv_heads": int(cfg.get("num_key_value_heads") or heads),
+        "head_dim": int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+        "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
+        "max_positions": int(cfg.get("max_position_embeddings", max_positions)),
+        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", tied)),
+    }
 
 
 def architecture_of(hf_config: dict[str, Any]) -> str:

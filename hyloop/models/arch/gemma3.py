@@ -21,7 +21,7 @@ from hyloop.models.arch.llama import DecoderBody, DecoderLM, GatedMLP, QKVAttent
 from hyloop.models.contract import contract_of
 from hyloop.models.layers.norm import RMSNorm
 from hyloop.models.layers.rope import RopeSpec, RotaryEmbedding
-from hyloop.models.registry import register, text_config
+from hyloop.models.registry import DecoderSpec, decoder_sizes, register, text_config
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -60,22 +60,14 @@ def _rope_specs(cfg: dict[str, Any], head_dim: int) -> tuple[RopeSpec, RopeSpec]
 
 
 @dataclass(frozen=True)
-class Gemma3Spec:
-    vocab_size: int
-    hidden_size: int
+class Gemma3Spec(DecoderSpec):
     intermediate_size: int
     num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
     attn_scale: float
     sliding_window: int
     layer_types: tuple[str, ...]
     rope_local: RopeSpec
     rope_global: RopeSpec
-    max_positions: int
-    tie_word_embeddings: bool
     final_logit_softcapping: float | None
 
     @classmethod
@@ -95,8 +87,8 @@ class Gemma3Spec:
             raise ValueError("use_bidirectional_attention=True is not supported (causal LM only)")
         if cfg.get("attention_bias"):
             raise ValueError("attention_bias=True is not supported (Gemma 3 has no q/k/v bias)")
-        heads = int(cfg["num_attention_heads"])
-        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+        sizes = decoder_sizes(cfg, max_positions=32768, tied=True)
+        head_dim = sizes["head_dim"]
         num_layers = int(cfg["num_hidden_layers"])
         rope_local, rope_global = _rope_specs(cfg, head_dim)
         window = int(cfg.get("sliding_window") or 0)
@@ -104,21 +96,14 @@ class Gemma3Spec:
             raise ValueError(f"sliding_window={cfg.get('sliding_window')!r}: expected >= 1")
         softcap = cfg.get("final_logit_softcapping")
         return cls(
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=int(cfg["hidden_size"]),
+            **sizes,
             intermediate_size=int(cfg["intermediate_size"]),
             num_layers=num_layers,
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=head_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             attn_scale=float(cfg.get("query_pre_attn_scalar", head_dim)) ** -0.5,
             sliding_window=window,
             layer_types=_layer_types(cfg, num_layers),
             rope_local=rope_local,
             rope_global=rope_global,
-            max_positions=int(cfg.get("max_position_embeddings", 32768)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
             final_logit_softcapping=float(softcap) if softcap else None,
         )
 

@@ -26,23 +26,15 @@ from hyloop.models.cpu import numerics  # noqa: F401  (defines hyloop::silu)
 from hyloop.models.layers.attention import PagedAttention
 from hyloop.models.layers.norm import RMSNorm
 from hyloop.models.layers.rope import RopeSpec, RotaryEmbedding
-from hyloop.models.registry import register, text_config
+from hyloop.models.registry import DecoderSpec, decoder_sizes, register, text_config
 from hyloop.models.weights import StackedParam
 
 
 @dataclass(frozen=True)
-class DenseSpec:
-    vocab_size: int
-    hidden_size: int
+class DenseSpec(DecoderSpec):
     intermediate_size: int
     num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
     rope: RopeSpec
-    max_positions: int
-    tie_word_embeddings: bool
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
@@ -52,14 +44,12 @@ class DenseSpec:
     def from_hf(cls, hf: dict[str, Any]) -> DenseSpec:
         cfg = text_config(hf)
         arch = (hf.get("architectures") or [""])[0]
-        heads = int(cfg["num_attention_heads"])
-        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+        sizes = decoder_sizes(cfg, max_positions=4096, tied=False)
         act = cfg.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"hidden_act {act!r} is not supported; expected 'silu'")
         is_qwen2 = arch == "Qwen2ForCausalLM"
-        window = cfg.get("sliding_window")
-        max_pos = int(cfg.get("max_position_embeddings", 4096))
+        window, max_pos = cfg.get("sliding_window"), sizes["max_positions"]
         sliding = cfg.get("use_sliding_window", arch == "MistralForCausalLM")
         if window and sliding and window < max_pos:
             raise ValueError(
@@ -68,17 +58,10 @@ class DenseSpec:
             )
         attn_bias = bool(cfg.get("attention_bias", False))
         return cls(
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=int(cfg["hidden_size"]),
+            **sizes,
             intermediate_size=int(cfg["intermediate_size"]),
             num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=head_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope=RopeSpec.from_hf(cfg, head_dim),
-            max_positions=max_pos,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            rope=RopeSpec.from_hf(cfg, sizes["head_dim"]),
             qkv_bias=is_qwen2 or attn_bias,
             o_bias=attn_bias and not is_qwen2,
             mlp_bias=bool(cfg.get("mlp_bias", False)),

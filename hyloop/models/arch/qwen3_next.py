@@ -21,7 +21,7 @@ from hyloop.models.contract import RecurrentLayers, contract_of
 from hyloop.models.layers.gdn import GatedDeltaNet, GDNDims
 from hyloop.models.layers.norm import RMSNorm
 from hyloop.models.layers.rope import RopeSpec, RotaryEmbedding
-from hyloop.models.registry import register, text_config
+from hyloop.models.registry import DecoderSpec, decoder_sizes, register, text_config
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -41,17 +41,9 @@ def _layer_types(cfg: dict[str, Any]) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
-class HybridSpec:
-    vocab_size: int
-    hidden_size: int
+class HybridSpec(DecoderSpec):
     intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
     rope: RopeSpec
-    max_positions: int
-    tie_word_embeddings: bool
     attention_bias: bool
     layer_types: tuple[str, ...]
     sparse_layers: tuple[bool, ...]  # per layer: sparse MoE (Qwen3-Next) instead of dense MLP
@@ -68,8 +60,7 @@ class HybridSpec:
         act = cfg.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"hidden_act {act!r} is not supported; expected 'silu'")
-        heads = int(cfg["num_attention_heads"])
-        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+        sizes = decoder_sizes(cfg, max_positions=4096, tied=False)
         types = _layer_types(cfg)
         moe_cfg = cfg if moe else {}  # a dense model reads no MoE sizes
         experts = int(moe_cfg.get("num_experts", 0))
@@ -79,16 +70,9 @@ class HybridSpec:
             i not in dense_only and experts > 0 and (i + 1) % step == 0 for i in range(len(types))
         )
         return cls(
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=int(cfg["hidden_size"]),
+            **sizes,
             intermediate_size=int(cfg.get("intermediate_size") or 0),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=head_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope=RopeSpec.from_hf(cfg, head_dim),
-            max_positions=int(cfg.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            rope=RopeSpec.from_hf(cfg, sizes["head_dim"]),
             attention_bias=bool(cfg.get("attention_bias", False)),
             layer_types=types,
             sparse_layers=sparse,

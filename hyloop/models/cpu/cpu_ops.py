@@ -101,15 +101,7 @@ def _topk_rows_fake(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def _panel_linear_fake(
-    x: torch.Tensor,
-    panels: torch.Tensor,
-    kind: int,
-    n: int,
-    k: int,
-    split: int,
-    half: bool,
-    bias: torch.Tensor | None,
-    live: torch.Tensor | None = None,
+    x: torch.Tensor, panels: torch.Tensor, kind: int, n: int, *_: object
 ) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], n))  # panel_linear, and panel_linear_live (``live``)
 
