@@ -96,19 +96,6 @@ class RecurrentPool:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.temporal + self.conv)
 
-    @staticmethod
-    def bytes_per_slot(
-        num_layers: int,
-        temporal_shape: Sequence[int],
-        conv_dim: int,
-        conv_kernel: int,
-        conv_dtype: torch.dtype = torch.float32,
-        temporal_dtype: torch.dtype = torch.float32,
-    ) -> int:
-        temporal = torch.Size(temporal_shape).numel() * temporal_dtype.itemsize
-        conv = conv_dim * (conv_kernel - 1) * conv_dtype.itemsize
-        return num_layers * (temporal + conv)
-
     # -- roles ----------------------------------------------------------------------------------
     def alloc(
         self, n: int, role: SlotRole = SlotRole.ACTIVE, zero: bool = True

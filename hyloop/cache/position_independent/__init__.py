@@ -4,12 +4,11 @@ Model-agnostic: a plan names donor runs and their KV slots; moving K to new posi
 the models (``hyloop.models.kv_shift``) and the engine wires both (``hyloop.framework``).
 """
 
-from hyloop.cache.position_independent.chunker import Chunk, Chunker, ChunkerParams
+from hyloop.cache.position_independent.chunker import Chunker, ChunkerParams
 from hyloop.cache.position_independent.index import DonorEntry, DonorIndex
 from hyloop.cache.position_independent.planner import ReusePlan, ReusePlanner, Segment
 
 __all__ = [
-    "Chunk",
     "Chunker",
     "ChunkerParams",
     "DonorEntry",

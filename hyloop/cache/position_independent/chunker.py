@@ -49,18 +49,6 @@ class ChunkerParams:
             raise ValueError(f"sink_tokens must be >= 0, got {self.sink_tokens}")
 
 
-@dataclass(frozen=True)
-class Chunk:
-    start: int  # position of the chunk's first token
-    end: int  # one past its last token
-    fingerprint: int  # 64-bit
-    closed: bool  # ends at a content boundary or the max clamp (False: cut by the sequence end)
-
-    @property
-    def length(self) -> int:
-        return self.end - self.start
-
-
 def as_int64(token_ids: Any) -> np.ndarray:
     """``token_ids`` (list, array, tensor or packed int64 bytes) as a little-endian int64 array."""
     if isinstance(token_ids, (bytes, bytearray, memoryview)):
@@ -142,7 +130,3 @@ class Chunker:
             out.append((s, end, True))
             s = end
         return out
-
-    def chunk(self, token_ids: Any) -> list[Chunk]:
-        ids = as_int64(token_ids)
-        return [Chunk(s, e, fingerprint(ids[s:e]), closed) for s, e, closed in self.cuts(ids)]

@@ -135,11 +135,6 @@ class DecoderStack:
                 self.weight_bytes += sum(p.nbytes for p in projections)
                 self.weight_bytes += sum(4 * n.numel() for n in norms)  # held as float32
 
-    def runs(self, rows: int) -> bool:
-        """Whether a decode step of ``rows`` rows takes the stack: every one does (it computes
-        each row with the layers' own panels, the same at every row count)."""
-        return True
-
     def __call__(self, x: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """The layers' output ``[B, T, H]`` for embedded tokens ``x [B, T, H]``: one per row
         (a decode step), or a verify step's ``T`` positions per row, each a row of the stack

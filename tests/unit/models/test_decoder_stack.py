@@ -212,13 +212,6 @@ def test_models_it_cannot_run_are_refused_with_the_reason() -> None:
         DecoderStack(torch.nn.Linear(4, 4))
 
 
-def test_the_stack_runs_every_decode_step() -> None:
-    """Not a timing: the stack computes each row with the layers' own panels, at every row
-    count (``model.cpu_stack=auto`` follows the CPU's ISA alone)."""
-    stack = DecoderStack(tiny("llama", torch.float32))
-    assert all(stack.runs(r) for r in (1, 3, 64)) and stack.describe()["rows"] == "every"
-
-
 def test_phase_clocks_account_for_the_step_only_when_on() -> None:
     """The stack's phase clocks: off, nothing is charged; on, every phase of a step that does
     work is charged, and the phases sum to no more than the step's own time."""

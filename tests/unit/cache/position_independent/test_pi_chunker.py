@@ -5,15 +5,40 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import xxhash
 
 from hyloop.cache.position_independent import chunker as chunker_mod
-from hyloop.cache.position_independent.chunker import Chunker, ChunkerParams, rolling_hash
+from hyloop.cache.position_independent.chunker import (
+    Chunker,
+    ChunkerParams,
+    as_int64,
+    fingerprint,
+    rolling_hash,
+)
 
 M64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class Chunk:
+    start: int
+    end: int
+    fingerprint: int
+    closed: bool  # ends at a content boundary or the max clamp (False: the sequence's end)
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+def chunks_of(chunker: Chunker, token_ids: object) -> list[Chunk]:
+    """Every chunk ``chunker`` cuts of ``token_ids``, with its fingerprint."""
+    ids = as_int64(token_ids)
+    return [Chunk(s, e, fingerprint(ids[s:e]), closed) for s, e, closed in chunker.cuts(ids)]
 
 
 def splitmix64_ref(t: int) -> int:
@@ -40,7 +65,7 @@ def test_same_content_chunks_the_same_after_any_prefix() -> None:
     for trial in range(6):
         prefix = rng.integers(0, 50_000, int(rng.integers(65, 900)))
         ids = np.concatenate([prefix, doc])
-        chunks = chunker.chunk(ids)
+        chunks = chunks_of(chunker, ids)
         # (start, end, fingerprint) relative to the document, for chunks inside it
         inside = {
             (c.start - len(prefix), c.end - len(prefix), c.fingerprint)
@@ -62,7 +87,7 @@ def test_same_content_chunks_the_same_after_any_prefix() -> None:
 def test_chunk_lengths_are_clamped(bits: int) -> None:
     params = ChunkerParams(boundary_bits=bits, min_chunk=32, max_chunk=512)
     ids = np.random.default_rng(3).integers(0, 50_000, 5000)
-    chunks = Chunker(params).chunk(ids)
+    chunks = chunks_of(Chunker(params), ids)
     assert chunks[0].start == params.sink_tokens
     assert all(a.end == b.start for a, b in zip(chunks, chunks[1:], strict=False))
     assert chunks[-1].end == len(ids)
@@ -76,17 +101,17 @@ def test_chunk_lengths_are_clamped(bits: int) -> None:
 
 def test_sink_positions_never_start_a_chunk() -> None:
     chunker = Chunker(ChunkerParams(sink_tokens=32))
-    assert chunker.chunk(list(range(20))) == []
-    short = chunker.chunk(list(range(40)))
+    assert chunks_of(chunker, list(range(20))) == []
+    short = chunks_of(chunker, list(range(40)))
     assert [(c.start, c.end, c.closed) for c in short] == [(32, 40, False)]
     ids = np.random.default_rng(4).integers(0, 50_000, 2000)
-    assert min(c.start for c in chunker.chunk(ids)) == 32
-    assert Chunker(ChunkerParams(sink_tokens=0)).chunk(ids)[0].start == 0
+    assert min(c.start for c in chunks_of(chunker, ids)) == 32
+    assert chunks_of(Chunker(ChunkerParams(sink_tokens=0)), ids)[0].start == 0
 
 
 def test_fingerprints_are_xxh64_of_little_endian_int64() -> None:
     ids = list(range(1000))
-    chunks = Chunker(ChunkerParams(boundary_bits=7)).chunk(ids)  # the cuts pinned below
+    chunks = chunks_of(Chunker(ChunkerParams(boundary_bits=7)), ids)  # the cuts pinned below
     for c in chunks:
         data = struct.pack(f"<{c.length}q", *ids[c.start : c.end])
         assert c.fingerprint == xxhash.xxh64(data, seed=0).intdigest()
