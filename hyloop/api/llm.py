@@ -122,24 +122,19 @@ class LLM:
         }
         params = [final.get(id(p), p) for p in params]
         with self._calls:
-            yield from self._add_and_run(batch, params, use_tqdm)
-
-    def _add_and_run(
-        self, batch: list[Any], params: list[Any], use_tqdm: bool | Callable[..., Any]
-    ) -> Iterator[tuple[int, RequestOutput]]:
-        ids = []
-        try:
-            for prompt, p in zip(batch, params, strict=True):
-                rid = f"gen-{self._counter}"
-                self._counter += 1
-                self.engine.add_request(rid, prompt, p)
-                ids.append(rid)
-        except Exception:  # what was queued goes, and leaves no output behind
-            self.engine.abort_request(ids)
-            if not self.engine.scheduler.running:  # nothing else runs: drain the aborts
-                self.engine.step()
-            raise
-        yield from self._run(ids, use_tqdm)
+            ids = []
+            try:
+                for prompt, p in zip(batch, params, strict=True):
+                    rid = f"gen-{self._counter}"
+                    self._counter += 1
+                    self.engine.add_request(rid, prompt, p)
+                    ids.append(rid)
+            except Exception:  # what was queued goes, and leaves no output behind
+                self.engine.abort_request(ids)
+                if not self.engine.scheduler.running:  # nothing else runs: drain the aborts
+                    self.engine.step()
+                raise
+            yield from self._run(ids, use_tqdm)
 
     def beam_search(
         self,

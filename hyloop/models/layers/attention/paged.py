@@ -284,13 +284,3 @@ def compute_paths(
         return path, path
     eager = TorchPath()
     return eager, CompiledPath() if compiled else eager
-
-
-__all__ = [
-    "AttentionMeta",
-    "CompiledPath",
-    "NativePath",
-    "PagedAttention",
-    "TorchPath",
-    "compute_paths",
-]
