@@ -68,7 +68,7 @@ class Request:
     num_emitted: int = 0  # output tokens handed out so far (``delta`` outputs start here)
     text_emitted: int = 0  # characters of output text handed out so far
     text_hold: int = 0  # trailing characters a running output holds back (a feature may cut)
-    text_state: IncrementalText | None = None  # its text so far (``detokenizer``)
+    text_state: IncrementalText | None = None  # its text so far (``output_text``)
     # Multi-channel models: prompt rows [L, C]; prompt_ids / output_ids then hold row keys.
     prompt_rows: torch.Tensor | None = None
     output_rows: list[list[int]] | None = None
@@ -118,7 +118,7 @@ class Request:
 
 def request_output(req: Request, tokenizer: Any) -> RequestOutput:
     """``req``'s output so far in vLLM's shape (``delta``: only what is new since its last
-    output); its text is detokenized incrementally (``detokenizer.output_text``)."""
+    output); its text is detokenized incrementally (``output_text``)."""
     p = req.params
     finished = req.status is Status.FINISHED
     delta = p.output_kind is RequestOutputKind.DELTA
