@@ -407,6 +407,154 @@ void group16(const float* q, int64_t G, const T* kb, int64_t k_row, const T* vb,
 }
 #endif
 
+#ifdef HYLOOP_A512
+// ``group16`` for the query groups of P rows of one request at once (a verify step's positions,
+// P <= 32), whose columns read the same pool slots (`slots`) and whose visibility and biases are
+// each row's own (`biases[i]`, L each): the columns any row sees are read once for all of them,
+// their K/V streamed from memory while the P * G heads' arithmetic runs, where one row's
+// group leaves the core waiting on memory. Row i's heads are q + i * G * D, its outputs out[i].
+// Each row's arithmetic is ``group16``'s for it alone, in the same order: the columns it sees
+// are the union's, in the union's order; each column it does not see has score -inf (e^ of it is
+// +0, so its softmax sum takes +0 and keeps its bits) and is masked out of its outputs' sums.
+template <typename T, int NC>
+void rows16(const float* q, int64_t P, int64_t G, const T* kb, int64_t k_row, const T* vb,
+            int64_t v_row, int64_t h, const int64_t* slots, const float* const* biases,
+            int64_t L, float scale, float* scratch, float* const* out) {
+  constexpr int64_t D = 16 * NC;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  thread_local std::vector<const T*> ks, vs;
+  thread_local std::vector<float> bs;      // [P][n]: each row's bias of each union column
+  thread_local std::vector<uint32_t> sees;  // [n]: bit i, row i sees the column
+  ks.resize(L + 16);
+  vs.resize(L + 16);
+  sees.resize(L + 16);
+  bs.resize(P * (L + 16));
+  int64_t n = 0;
+  for (int64_t j = 0; j < L; ++j) {
+    uint32_t bits = 0;
+    for (int64_t i = 0; i < P; ++i) bits |= static_cast<uint32_t>(biases[i][j] != ninf) << i;
+    if (bits == 0) continue;
+    ks[n] = kb + slots[j] * k_row + h * D;
+    vs[n] = vb + slots[j] * v_row + h * D;
+    sees[n] = bits;
+    for (int64_t i = 0; i < P; ++i) bs[i * (L + 16) + n] = biases[i][j];
+    ++n;
+  }
+  for (int64_t j = n; j < n + 16; ++j) {
+    ks[j] = zero_row<T>();
+    sees[j] = 0;
+  }
+  constexpr int64_t lines = (D * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+  const int64_t H = P * G;  // the heads, row-major: head r = i * G + g
+  float* scores = scratch;  // [H][n]
+  const __m512 sc = _mm512_set1_ps(scale), ninf16 = _mm512_set1_ps(ninf);
+  thread_local std::vector<float> maxima;
+  maxima.assign(16 * H, ninf);
+  for (int64_t c0 = 0; c0 < n; c0 += 16) {
+    const int64_t cn = std::min<int64_t>(16, n - c0);
+    for (int64_t c = 0; c < cn; ++c) {
+      if (c0 + 16 + c < n) {
+        const char* ka = reinterpret_cast<const char*>(ks[c0 + 16 + c]);
+        for (int64_t i = 0; i < lines; ++i) _mm_prefetch(ka + 64 * i, _MM_HINT_T0);
+      }
+      const char* va = reinterpret_cast<const char*>(vs[c0 + c]);
+      for (int64_t i = 0; i < lines; ++i) _mm_prefetch(va + 64 * i, _MM_HINT_T1);
+    }
+    const __mmask16 live = static_cast<__mmask16>(cn == 16 ? 0xFFFF : (1u << cn) - 1);
+    const T* const* kc = ks.data() + c0;
+    for (int64_t i = 0; i < P; ++i) {
+      __mmask16 seen = 0;
+      for (int64_t c = 0; c < cn; ++c) seen |= static_cast<__mmask16>(((sees[c0 + c] >> i) & 1u) << c);
+      const __m512 bias16 = _mm512_maskz_loadu_ps(live, bs.data() + i * (L + 16) + c0);
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q + (i * G + g) * D;
+        __m512 qv[NC];
+        for (int k = 0; k < NC; ++k) qv[k] = _mm512_loadu_ps(qg + 16 * k);
+        __m512 acc[16];
+#pragma GCC unroll 16
+        for (int c = 0; c < 16; ++c) {
+          const T* k = kc[c];
+          acc[c] = _mm512_mul_ps(qv[0], load16(k));
+#pragma GCC unroll 8
+          for (int m = 1; m < NC; ++m)
+            acc[c] = _mm512_add_ps(acc[c], _mm512_mul_ps(qv[m], load16(k + 16 * m)));
+        }
+        __m512 s = _mm512_add_ps(_mm512_mul_ps(tree16x16(acc), sc), bias16);
+        s = _mm512_mask_blend_ps(seen, ninf16, s);
+        const int64_t r = i * G + g;
+        _mm512_mask_storeu_ps(scores + r * L + c0, live, s);
+        float* m = maxima.data() + 16 * r;
+        _mm512_storeu_ps(m, _mm512_max_ps(_mm512_mask_blend_ps(live, ninf16, s), _mm512_loadu_ps(m)));
+      }
+    }
+  }
+  for (int64_t r = 0; r < H; ++r) {
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_loadu_ps(maxima.data() + 16 * r)));
+    float* sg = scores + r * L;
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) _mm512_storeu_ps(sg + j, exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + j), mx)));
+    if (j < n) {
+      const __mmask16 m = static_cast<__mmask16>((1u << (n - j)) - 1);
+      _mm512_mask_storeu_ps(sg + j, m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + j), mx)));
+    }
+  }
+  constexpr int64_t HB = 16 / NC;
+  for (int64_t r0 = 0; r0 < H; r0 += HB) {
+    const int64_t hb = std::min<int64_t>(HB, H - r0);
+    __m512 acc[HB][NC];
+    float total[HB];
+    int64_t row[HB];
+    for (int64_t r = 0; r < HB; ++r) {
+      total[r] = 0.0f;
+      row[r] = (r0 + std::min(r, hb - 1)) / G;
+      for (int k = 0; k < NC; ++k) acc[r][k] = _mm512_setzero_ps();
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      __m512 v[NC];
+      for (int k = 0; k < NC; ++k) v[k] = load16(vs[j] + 16 * k);
+      const uint32_t bits = sees[j];
+      for (int64_t r = 0; r < HB; ++r) {
+        if (r >= hb) break;
+        const float p = scores[(r0 + r) * L + j];  // +0 where its row does not see column j
+        total[r] = total[r] + p;
+        const __m512 pv = _mm512_set1_ps(p);
+        const __mmask16 on = static_cast<__mmask16>(0u - ((bits >> row[r]) & 1u));
+        for (int k = 0; k < NC; ++k)
+          acc[r][k] = _mm512_mask_add_ps(acc[r][k], on, acc[r][k], _mm512_mul_ps(pv, v[k]));
+      }
+    }
+    for (int64_t r = 0; r < hb; ++r) {
+      const __m512 iv = _mm512_set1_ps(1.0f / total[r]);
+      float* o = out[row[r]] + ((r0 + r) % G) * D;
+      for (int k = 0; k < NC; ++k) _mm512_storeu_ps(o + 16 * k, _mm512_mul_ps(acc[r][k], iv));
+    }
+  }
+}
+#endif
+
+// ``rows16`` where this build and the head size have it (AVX-512, head_dim 64 or 128, a pool
+// dtype it loads, at most 32 rows); false otherwise (the caller runs each row's ``group``).
+template <typename T>
+bool group_rows(const float* q, int64_t P, int64_t G, int64_t D, const T* kb, int64_t k_row,
+                const T* vb, int64_t v_row, int64_t h, const int64_t* slots,
+                const float* const* biases, int64_t L, float scale, float* scratch,
+                float* const* out) {
+#ifdef HYLOOP_A512
+  if constexpr (kLoads<T>) {
+    if (P > 32) return false;
+    if (D == 64) {
+      rows16<T, 4>(q, P, G, kb, k_row, vb, v_row, h, slots, biases, L, scale, scratch, out);
+      return true;
+    }
+    if (D == 128) {
+      rows16<T, 8>(q, P, G, kb, k_row, vb, v_row, h, slots, biases, L, scale, scratch, out);
+      return true;
+    }
+  }
+#endif
+  return false;
+}
+
 template <typename T>
 void group(const float* q, int64_t G, int64_t D, const T* kb, int64_t k_row, const T* vb,
            int64_t v_row, int64_t h, const int64_t* slots, const float* bias, int64_t L,

@@ -288,12 +288,12 @@ struct StepInputs {
   const float* cos = nullptr;      // [B, rot]
   const float* sin = nullptr;
   int64_t ctx = 0, rot = 0;
-  // Rows come in runs of `group` of one request (a verify step's positions; 1: independent
-  // rows) that may read each other's new K/V: every K/V is written, behind a barrier, before
-  // any row attends, and a rank attends a run's rows one after another for each kv head (its
-  // columns are read from memory once for the run).
-  int64_t group = 1;
+  // `shared`: rows of one request (a verify step's positions) read each other's new K/V, so
+  // every K/V is written, behind a barrier, before any row attends; then each attention task is
+  // one of `units` (first row, rows: a request's rows, or a part of them where too few
+  // requests would leave ranks idle) for one kv head, its columns read once for all its rows.
   bool shared = false;
+  std::vector<std::pair<int64_t, int64_t>> units;
 };
 
 // Row b's key for kv head h (its norm and RoPE) and value, written at loc[b]: a shared step's
@@ -344,18 +344,6 @@ void attend(const Spec& sp, const Layer& l, const StepInputs& in, int64_t layer,
   T* kb = in.k_bufs[layer].mutable_data_ptr<T>();
   T* vb = in.v_bufs[layer].mutable_data_ptr<T>();
   const int64_t k_row = in.k_bufs[layer].stride(0), v_row = in.v_bufs[layer].stride(0);
-  if (in.shared) {  // the K/V are in the pool (`write_kv`): the queries alone, then attention
-    for (int64_t g = 0; g < n; ++g) {
-      if (l.q_norm.defined()) rms_norm(q + g * D, l.q_norm.const_data_ptr<float>(), D, sp.eps, bf,
-                                       q + g * D);
-      rope(q + g * D, cos, sin, in.rot, bf);
-    }
-    hyloop::attend::group(q, n, D, static_cast<const T*>(kb), k_row, static_cast<const T*>(vb),
-                          v_row, h, in.slots + b * L, in.bias + b * L, L,
-                          static_cast<float>(sp.scale), v + D, out_row);
-    round_all(out_row, n * D, bf);
-    return;
-  }
   for (int64_t g = 0; g <= n; ++g) {  // n query heads, then the key
     float* head = g < n ? q + g * D : k;
     const at::Tensor& norm = g < n ? l.q_norm : l.k_norm;
@@ -374,6 +362,57 @@ void attend(const Spec& sp, const Layer& l, const StepInputs& in, int64_t layer,
                         static_cast<float>(sp.scale), v + D, out_row, in.loc[b], own.data(),
                         own.data() + D);
   round_all(out_row, n * D, bf);
+}
+
+// A shared step's task: rows [b0, b0 + np) of one request for kv head h, every query head of
+// the group: the queries' norms and RoPE, then attention over the rows' columns read once for
+// all of them (``attend::group_rows``; each row alone where their columns' slots differ or the
+// build has no such kernel), each row's bits those of its own ``attend``.
+template <typename T>
+void attend_rows(const Spec& sp, const Layer& l, const StepInputs& in, int64_t layer, int64_t b0,
+                 int64_t np, int64_t h, const float* qkv, int64_t nqkv, std::vector<float>& scratch,
+                 float* act, hyloop::RowsBuffer& rows) {
+  const int64_t D = sp.head_dim, G = sp.heads / sp.kv_heads, L = in.ctx, q = sp.heads * D;
+  const bool bf = sp.bf16;
+  scratch.resize(np * G * D + np * G * (L + 1));
+  float* qs = scratch.data();
+  std::array<const float*, 32> biases{};
+  std::array<float*, 32> outs{};
+  bool same = np <= 32;
+  for (int64_t i = 0; i < np; ++i) {
+    const int64_t b = b0 + i;
+    float* qi = qs + i * G * D;
+    std::memcpy(qi, qkv + b * nqkv + h * G * D, G * D * sizeof(float));
+    round_all(qi, G * D, bf);
+    for (int64_t g = 0; g < G; ++g) {
+      if (l.q_norm.defined()) rms_norm(qi + g * D, l.q_norm.const_data_ptr<float>(), D, sp.eps,
+                                       bf, qi + g * D);
+      rope(qi + g * D, in.cos + b * in.rot, in.sin + b * in.rot, in.rot, bf);
+    }
+    if (i < 32) {
+      biases[i] = in.bias + b * L;
+      outs[i] = act + b * q + h * G * D;
+    }
+    same = same && std::memcmp(in.slots + b * L, in.slots + b0 * L, L * sizeof(int64_t)) == 0;
+  }
+  const T* kb = in.k_bufs[layer].const_data_ptr<T>();
+  const T* vb = in.v_bufs[layer].const_data_ptr<T>();
+  const int64_t k_row = in.k_bufs[layer].stride(0), v_row = in.v_bufs[layer].stride(0);
+  const float scale = static_cast<float>(sp.scale);
+  float* work = qs + np * G * D;
+  if (!same || !hyloop::attend::group_rows(qs, np, G, D, kb, k_row, vb, v_row, h, in.slots + b0 * L,
+                                           biases.data(), L, scale, work, outs.data())) {
+    for (int64_t i = 0; i < np; ++i) {
+      const int64_t b = b0 + i;
+      hyloop::attend::group(qs + i * G * D, G, D, kb, k_row, vb, v_row, h, in.slots + b * L,
+                            in.bias + b * L, L, scale, work, act + b * q + h * G * D);
+    }
+  }
+  for (int64_t i = 0; i < np; ++i) {
+    float* out = act + (b0 + i) * q + h * G * D;
+    round_all(out, G * D, bf);
+    rows.set_cols(b0 + i, h * G * D, G * D, out);
+  }
 }
 
 // The fewest query heads a task may hold: one, unless the o GEMM's rows are integer codes per
@@ -589,22 +628,33 @@ void run_layers(Stack& s, const StepInputs& in, int64_t B, int rank, hyloop::Tea
       }
       sync(kAttn, l.o, 2);
     }
-    const bool few = B * sp.kv_heads < std::max(4, 2 * T_);
-    const int64_t per = few ? heads_per_task(sp, ws.attn_rows) : G;
-    const int64_t tasks_per_row = sp.heads / per;
-    const int64_t run = in.group;
-    claim_units(ws.spans.get(), B * tasks_per_row, rank, T_, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {  // task t: row b = (t's run) * run + j, unit u
-        const int64_t j = t % run, u = (t / run) % tasks_per_row;
-        const int64_t b = t / (run * tasks_per_row) * run + j, first = u * per;
-        const int64_t h = first / G, g0 = first % G;
-        float* out = ws.act.data() + b * q + first * D;
-        attend<T>(sp, l, in, static_cast<int64_t>(li), b, h, g0, per, ws.qkv.data() + b * nqkv,
-                  scratch, out);
-        ws.attn_rows.set_cols(b, first * D, per * D, out);
-      }
-    });
-    sync(kAttn, l.o, 2);
+    if (in.shared) {
+      const int64_t KV = sp.kv_heads;
+      const auto n_tasks = static_cast<int64_t>(in.units.size()) * KV;
+      claim_units(ws.spans.get(), n_tasks, rank, T_, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+          const auto [b0, np] = in.units[t / KV];
+          attend_rows<T>(sp, l, in, static_cast<int64_t>(li), b0, np, t % KV, ws.qkv.data(),
+                         nqkv, scratch, ws.act.data(), ws.attn_rows);
+        }
+      });
+      sync(kAttn, l.o, 2);
+    } else {
+      const bool few = B * sp.kv_heads < std::max(4, 2 * T_);
+      const int64_t per = few ? heads_per_task(sp, ws.attn_rows) : G;
+      const int64_t tasks_per_row = sp.heads / per;
+      claim_units(ws.spans.get(), B * tasks_per_row, rank, T_, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {  // task t: row b, query heads [first, first + per)
+          const int64_t b = t / tasks_per_row, first = (t % tasks_per_row) * per;
+          const int64_t h = first / G, g0 = first % G;
+          float* out = ws.act.data() + b * q + first * D;
+          attend<T>(sp, l, in, static_cast<int64_t>(li), b, h, g0, per,
+                    ws.qkv.data() + b * nqkv, scratch, out);
+          ws.attn_rows.set_cols(b, first * D, per * D, out);
+        }
+      });
+      sync(kAttn, l.o, 2);
+    }
     // 4. o + residual
     gemm_residual(l.o, ws.attn_rows.view(), ws, B, H, bf, rank, T_);
     sync(kO, l.gate_up, 4);
@@ -645,12 +695,33 @@ void run_layers(Stack& s, const StepInputs& in, int64_t B, int rank, hyloop::Tea
   }
 }
 
-// The stack over x's rows (runs of `group` rows ordered together; `shared`: rows read each
-// other's new K/V).
+// A shared step's attention units (``StepInputs::units``): each request's rows (`request`,
+// ascending), split into up to as many parts as it takes for `kv_heads` tasks a unit to give
+// every one of `threads` ranks about four.
+std::vector<std::pair<int64_t, int64_t>> row_units(const std::vector<int64_t>& request,
+                                                   int64_t kv_heads, int threads) {
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  const auto B = static_cast<int64_t>(request.size());
+  for (int64_t b = 0; b < B; ++b) {
+    if (b == 0 || request[b] != request[b - 1]) runs.emplace_back(b, 0);
+    ++runs.back().second;
+  }
+  const int64_t tasks = static_cast<int64_t>(runs.size()) * kv_heads;
+  const int64_t parts = std::max<int64_t>(1, (4 * threads + tasks - 1) / tasks);
+  std::vector<std::pair<int64_t, int64_t>> units;
+  for (const auto& [b0, n] : runs) {
+    const int64_t per = (n + std::min(parts, n) - 1) / std::min(parts, n);
+    for (int64_t b = b0; b < b0 + n; b += per) units.emplace_back(b, std::min(per, b0 + n - b));
+  }
+  return units;
+}
+
+// The stack over x's rows; with `request` (the request of each row, ascending: a verify step's
+// positions) rows read the new K/V of their request's rows (a shared step), else none.
 at::Tensor stack_rows(const at::Tensor& x, int64_t handle, at::TensorList k_bufs,
                       at::TensorList v_bufs, const at::Tensor& loc, const at::Tensor& slots,
                       const at::Tensor& bias, const at::Tensor& cos, const at::Tensor& sin,
-                      int64_t group, bool shared) {
+                      const std::vector<int64_t>& request) {
   const auto s = find(handle);
   const Spec& sp = s->spec;
   const int64_t H = sp.hidden, D = sp.head_dim;
@@ -707,13 +778,13 @@ at::Tensor stack_rows(const at::Tensor& x, int64_t handle, at::TensorList k_bufs
   in.sin = snc.const_data_ptr<float>();
   in.ctx = slots.size(1);
   in.rot = cos.size(1);
-  TORCH_CHECK(group >= 1 && B % group == 0, "decode_layers: ", B, " rows are not runs of ",
-              group);
-  in.group = group;
-  in.shared = shared;
-
   std::lock_guard<std::mutex> guard(s->use);
   const int threads = hyloop::team_size();
+  in.shared = !request.empty();
+  if (in.shared) {
+    TORCH_CHECK(static_cast<int64_t>(request.size()) == B, "decode_layers: a request per row");
+    in.units = row_units(request, sp.kv_heads, threads);
+  }
   ensure_workspace(*s, B, threads);
   if (s->timed && static_cast<int>(s->phase_s.size()) < threads) s->phase_s.resize(threads);
   const at::Tensor xc = x.reshape({B, H}).contiguous();
@@ -745,7 +816,12 @@ at::Tensor decode_layers(const at::Tensor& x, int64_t handle, at::TensorList k_b
                          at::TensorList v_bufs, const at::Tensor& loc, const at::Tensor& slots,
                          const at::Tensor& bias, const at::Tensor& cos, const at::Tensor& sin,
                          int64_t group) {
-  return stack_rows(x, handle, k_bufs, v_bufs, loc, slots, bias, cos, sin, group, group > 1);
+  const int64_t B = x.numel() / x.size(-1);
+  TORCH_CHECK(group >= 1 && B % group == 0, "decode_layers: ", B, " rows are not runs of ",
+              group);
+  std::vector<int64_t> request;
+  for (int64_t b = 0; group > 1 && b < B; ++b) request.push_back(b / group);
+  return stack_rows(x, handle, k_bufs, v_bufs, loc, slots, bias, cos, sin, request);
 }
 
 // ``decode_layers`` with `live` (bool, a row each): only the live rows are computed (a verify
@@ -762,8 +838,13 @@ at::Tensor decode_layers_live(const at::Tensor& x, int64_t handle, at::TensorLis
   at::Tensor out = at::zeros(x.sizes(), x.options());
   if (rows.numel() == 0) return out;
   const auto pick = [&](const at::Tensor& t) { return t.reshape({B, -1}).index_select(0, rows); };
+  std::vector<int64_t> request;  // a live row's request: its run of `group` rows
+  if (group > 1) {
+    const int64_t* r = rows.const_data_ptr<int64_t>();
+    for (int64_t i = 0; i < rows.numel(); ++i) request.push_back(r[i] / group);
+  }
   const at::Tensor part = stack_rows(pick(x), handle, k_bufs, v_bufs, pick(loc).reshape({-1}),
-                                     pick(slots), pick(bias), pick(cos), pick(sin), 1, group > 1);
+                                     pick(slots), pick(bias), pick(cos), pick(sin), request);
   out.view({B, H}).index_copy_(0, rows, part);
   return out;
 }

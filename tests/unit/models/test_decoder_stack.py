@@ -353,3 +353,84 @@ def test_a_verify_steps_padding_is_not_computed_and_its_rows_are_unchanged(
         assert torch.equal(padded_kv.k[i][loc[~live]], kv.k[i][loc[~live]])  # not written
         assert torch.equal(padded_kv.v[i][loc[~live]], kv.v[i][loc[~live]])
         assert not torch.equal(full_kv.k[i][loc[~live]], kv.k[i][loc[~live]])
+
+
+def wide(head_dim: int, dtype: torch.dtype) -> Any:
+    """A tiny Llama whose heads have a size the stack's fused verify attention runs (64: a
+    group of 3 query heads, as SmolLM2's; 128: groups of 2)."""
+    torch.manual_seed(0)
+    heads, kv_heads = (3, 1) if head_dim == 64 else (4, 2)
+    cfg = dict(
+        TINY_DENSE["llama"],
+        hidden_size=heads * head_dim,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+    )
+    return model_class(cfg)(cfg).eval().to(dtype)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("extend", [[4, 4, 4], [4, 1, 3]])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_verify_steps_positions_are_their_plain_steps_bit_for_bit(
+    dtype: torch.dtype, head_dim: int, extend: list[int], threads: int
+) -> None:
+    """A verify step's positions attend together (each request's columns read once for all its
+    rows, split into parts where the requests are few for the threads): each real position's
+    hidden state and K/V are the bits of the plain decode step that computes it alone, one step
+    after another; with padding too (the live rows' requests from their places)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model = wide(head_dim, dtype)
+        kv, table = pools(model, dtype)
+        prefill(model, kv, table)
+        stack = NativePath(DecoderStack(model))
+        b, t = len(LENS), max(extend)
+        pos = torch.tensor(LENS).view(b, 1) + torch.arange(t)
+        loc = table.table[torch.arange(b).view(b, 1), pos].long()
+        ids = torch.randint(3, 200, (b, t), generator=torch.Generator().manual_seed(3))
+        together = _copy(kv, dtype)
+        batch = make_batch(
+            input_ids=ids,
+            positions=pos,
+            out_cache_loc=loc,
+            req_rows=torch.arange(b),
+            prefix_lens=torch.tensor(LENS),
+            extend_lens=torch.tensor(extend),
+            req_to_token=table.table,
+            kv_len=max(LENS) + t,
+            kv=together,
+            compute=stack,
+        )
+        batch.verify = True
+        with torch.no_grad():
+            verified = model(batch)
+        one_by_one = _copy(kv, dtype)
+        for j in range(t):
+            rows = [r for r in range(b) if j < extend[r]]
+            step = make_batch(
+                input_ids=ids[rows, j : j + 1],
+                positions=pos[rows, j : j + 1],
+                out_cache_loc=loc[rows, j : j + 1],
+                req_rows=torch.tensor(rows),
+                prefix_lens=pos[rows, j],
+                extend_lens=torch.ones(len(rows), dtype=torch.int64),
+                req_to_token=table.table,
+                kv_len=max(LENS) + j + 1,
+                kv=one_by_one,
+                is_decode=True,
+                compute=stack,
+            )
+            with torch.no_grad():
+                plain = model(step)
+            for i, r in enumerate(rows):
+                assert torch.equal(plain[i, 0], verified[r, j]), (r, j)
+        live = torch.arange(t) < torch.tensor(extend).view(b, 1)
+        for i in range(len(kv.k)):
+            assert torch.equal(together.k[i][loc[live]], one_by_one.k[i][loc[live]])
+            assert torch.equal(together.v[i][loc[live]], one_by_one.v[i][loc[live]])
+    finally:
+        torch.set_num_threads(saved)
