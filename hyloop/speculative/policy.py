@@ -16,12 +16,14 @@ if TYPE_CHECKING:
 
 PRIOR_RATIO = 0.3  # a position's cost in plain-step tokens until this batch size is measured
 PRIOR = (1.2, 2.0)  # a new request's (kept, verified) drafts: acceptance 0.6 until measured
+POOLED = 0.98  # what the engine's earlier drafts weigh against its latest, per verify step
 DECAY = 0.8  # what a request's earlier verify steps weigh against its latest
 RELAX = 0.9  # a step a request does not draft moves its acceptance this far back to the prior
 DRIFT = 0.99  # a plain step moves a position's measured cost this far back to the prior
 QUIET = 4  # steps a lookahead loop plans without drafts once drafting did not pay ...
-QUIET_MAX = 64  # ... doubling each time it again did not pay, up to this many
+QUIET_MAX = 64  # ... doubling each time it again did not pay, up to this many over the rows
 REMEASURE = 16  # verify steps between two plain ones of a batch size (contexts grow)
+FIT_DECAY = 0.9  # what a batch size's earlier verify steps weigh in its cost fit, per step
 
 
 class NgramDrafter:
@@ -82,12 +84,20 @@ class Speculator:
         self.plain: dict[int, float] = {}
         self.position: dict[int, float] = {}
         self.since_plain: dict[int, int] = {}  # verify steps since a plain one, by batch size
+        # by batch size: decayed sums (n, x, y, xx, xy) of verify steps' drafts x and their time
+        # over the plain step's y, whose slope is a draft's cost without the step's fixed part
+        self.fits: dict[int, list[float]] = {}
         self.quiet = 0  # planned steps left without drafts (lookahead)
         self.quiet_next = QUIET  # the next stretch of them
+        # every request's decayed (kept, verified) drafts: where an untried request's own
+        # acceptance drifts back to (a request with a miss behind it retries where drafts
+        # mostly pay, and does not where they mostly do not)
+        self.pooled = PRIOR
 
     def state(self, req: Request) -> DraftState:
-        if req.draft is None:
-            req.draft = DraftState(NgramDrafter(self.lo, self.hi))
+        if req.draft is None:  # a new request starts at the pooled acceptance
+            kept = PRIOR[1] * self.pooled[0] / self.pooled[1]
+            req.draft = DraftState(NgramDrafter(self.lo, self.hi), kept, PRIOR[1])
         state: DraftState = req.draft
         return state
 
@@ -112,8 +122,14 @@ class Speculator:
         plain = self.plain.get(rows)
         extra = sum(len(c.drafts) for c in batch.chunks)
         if plain is not None and extra:
-            cost = max(0.0, seconds - plain) / extra
-            self.position[rows] = _average(self.position.get(rows), cost)
+            y = max(0.0, seconds - plain)
+            fit = self.fits.setdefault(rows, [0.0] * 5)
+            for i, v in enumerate((1.0, extra, y, extra * extra, extra * y)):
+                fit[i] = FIT_DECAY * fit[i] + v
+            cost = _slope(fit, plain / rows)
+            self.position[rows] = _average(
+                self.position.get(rows), y / extra if cost is None else cost
+            )
 
     def skips(self) -> bool:
         """Whether a lookahead loop may plan the next step without drafts (drafting did not
@@ -158,12 +174,16 @@ class Speculator:
             c.length = 1 + len(c.drafts)
             drafted += len(c.drafts)
             if p and not c.drafts:  # not tried: its acceptance drifts back to the prior
-                state.kept = RELAX * state.kept + (1 - RELAX) * PRIOR[0]
+                prior = PRIOR[1] * self.pooled[0] / self.pooled[1]
+                state.kept = RELAX * state.kept + (1 - RELAX) * prior
                 state.verified = RELAX * state.verified + (1 - RELAX) * PRIOR[1]
         if drafted:
             self.quiet, self.quiet_next = 0, QUIET
         else:
-            self.quiet, self.quiet_next = self.quiet_next, min(2 * self.quiet_next, QUIET_MAX)
+            # the more rows, the sooner one of them matches again (and the less a drain costs
+            # beside the step): a stretch grows to QUIET_MAX / rows
+            most = max(QUIET, QUIET_MAX // len(chunks))
+            self.quiet, self.quiet_next = self.quiet_next, min(2 * self.quiet_next, most)
             return False
         self.verify_steps += 1
         return True
@@ -178,8 +198,13 @@ class Speculator:
 
     def settle(self, chunks: list[Chunk]) -> None:
         """After the scheduler appended a verify step's tokens: what each row's drafts gave."""
+        kept, verified = self.pooled
         for c in chunks:
-            self.record(c.req, len(c.drafts), max(0, c.taken - 1))
+            accepted = max(0, c.taken - 1)
+            self.record(c.req, len(c.drafts), accepted)
+            kept += accepted
+            verified += accepted + (accepted < len(c.drafts))
+        self.pooled = (POOLED * kept, POOLED * verified)
 
     def record(self, req: Request, drafted: int, accepted: int) -> None:
         """A verify step kept ``accepted`` of ``req``'s ``drafted`` drafts: each kept one, and
@@ -213,8 +238,26 @@ def _worth(rate: float, cost: float, most: int) -> int:
     return n
 
 
+def _slope(fit: list[float], token: float) -> float | None:
+    """What one more draft adds to a verify step, from the fit's decayed sums: the least-squares
+    slope of time over drafts, which leaves out what a verify step costs whatever its drafts
+    (the drained lookahead, the acceptance pass) and so does not charge it to each draft;
+    between 5 % of a plain token and the mean cost a draft. None while the drafts have not
+    varied enough (by a fifth of their mean) for a slope."""
+    n, sx, sy, sxx, sxy = fit
+    spread = n * sxx - sx * sx
+    if n < 3 or spread <= 0.04 * sx * sx:
+        return None
+    return min(max((n * sxy - sx * sy) / spread, 0.05 * token), sy / sx)
+
+
 def _average(old: float | None, new: float) -> float:
-    return new if old is None else 0.7 * old + 0.3 * new
+    """The moving average, a sample first clipped to [1/2, 2] x the average: one step slowed by
+    something else (a collection, another process) moves it by at most 30 %, not off the
+    scale, and drafting does not stop for a stretch of plain steps on its account."""
+    if old is None:
+        return new
+    return 0.7 * old + 0.3 * min(max(new, 0.5 * old), 2.0 * old)
 
 
 def speculator_for(cfg: EngineConfig, contract: ModelContract, swa_pool: bool) -> Speculator | None:

@@ -155,6 +155,23 @@ def test_a_measured_position_cost_drifts_back_to_the_prior_with_plain_steps() ->
     assert spec.ratio(2) < 0.35
 
 
+def test_one_slow_step_moves_the_cost_model_by_at_most_thirty_percent() -> None:
+    """A step slowed by something else (here 50x) is clipped to twice the average before it
+    enters it, so drafting does not stop on its account; a fast one to half."""
+    spec = speculator()
+    req = request([1, 2, 3, 4, 5, 6, 1, 2], [], max_new=50)
+    chunks = decode([req])
+    spec.draft(chunks, [])
+    spec.timed(Batch(chunks, is_decode=True), 0.010)  # plain: 10 ms
+    chunks = decode([req])
+    assert spec.draft(chunks, []) and len(chunks[0].drafts) == 2
+    spec.timed(Batch(chunks, is_decode=True, verify=True), 0.012)  # 1 ms a position
+    spec.timed(Batch(chunks, is_decode=True, verify=True), 0.500)  # 245 ms a position
+    assert spec.position[1] == pytest.approx(0.0013)
+    spec.timed(Batch(decode([req]), is_decode=True), 0.001)  # a plain step at a tenth
+    assert spec.plain[1] == pytest.approx(0.0085)
+
+
 def test_speculation_is_refused_off_the_cpu() -> None:
     from hyloop.speculative import speculator_for
 
