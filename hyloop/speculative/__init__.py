@@ -14,14 +14,16 @@ to ``prompt_lookup_min``), from an index updated as tokens arrive. ``Speculator`
 engine's policy, a cost model measured as it runs: each draft a verify step checks is a
 position of its own (the step's rows are padded to the longest, but the decoder stack and the
 head compute no padding), worth ``r`` tokens of a plain step (``r``: the measured cost of a
-position over the measured time per token of a plain step of that batch size); row ``i``'s
-``j``-th draft is kept with probability ``a_i ** j`` (``a_i``: its recent acceptance; while the
-policy declines its matches, it drifts back to a prior, as a position's measured cost does with
-each plain step, so drafting that stopped is tried again). Each row verifies the drafts whose
+position, the slope of verify-step time over drafts, over the measured time per token of a
+plain step of that batch size); row ``i``'s ``j``-th draft is kept with probability
+``a_i ** j`` (``a_i``: its recent acceptance, starting from the engine's pooled acceptance of
+recent drafts; while the policy declines its matches, it drifts back to that, as a position's
+measured cost does to a prior with each plain step, so drafting that stopped is tried again).
+Each row verifies the drafts whose
 chance of being kept beats ``r``, none when none does: drafts that rarely match, or positions
 that cost too much, leave the plain step; under
 lookahead, the steps after one that found no draft worth it are planned ahead without drafts,
-a stretch that doubles (up to 64 steps) while drafting keeps not paying. Drafts
+a stretch that doubles (up to 64 / rows steps) while drafting keeps not paying. Drafts
 stay within the request's output budget, so the KV a verify step writes lies in pages the
 request reserved at admission; what it writes for rejected positions lies past
 ``num_computed`` (which counts accepted tokens): masked from every later step until a later one

@@ -5,7 +5,8 @@
 // splits over, which at batch 1 costs as much as its arithmetic. Here one team of threads
 // (cpu_pool.h) runs every layer, its phases separated by barriers:
 //
-//   norm (rows) | qkv GEMM (panels) | q/k norm, RoPE, K/V write, attention ((row, kv head) tasks)
+//   norm (rows) | qkv GEMM (panels) | q/k norm, RoPE, K/V write, attention ((row, kv head) tasks;
+//   a verify step: (a request's rows, kv head) tasks)
 //   | o GEMM + residual (panels) | norm (rows) | gate/up GEMM + SiLU * up (panel pairs)
 //   | down GEMM + residual (panels)
 //
