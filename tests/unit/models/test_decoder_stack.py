@@ -302,6 +302,29 @@ def test_a_row_alone_is_the_row_in_a_batch(dtype: torch.dtype, weights: str) -> 
             assert torch.equal(alone.v[i][loc.view(-1)], batched.v[i][loc.view(-1)])
 
 
+def verify_batch(
+    table: ReqToTokenPool, ids: torch.Tensor, extend: list[int], kv: KVPool, compute: Any
+) -> StepBatch:
+    """A verify step of ``ids`` [requests, positions] after each request's prompt (``LENS``),
+    ``extend`` of each request's positions real (the rest padding)."""
+    b, t = ids.shape
+    pos = torch.tensor(LENS).view(b, 1) + torch.arange(t)
+    batch = make_batch(
+        input_ids=ids,
+        positions=pos,
+        out_cache_loc=table.table[torch.arange(b).view(b, 1), pos].long(),
+        req_rows=torch.arange(b),
+        prefix_lens=torch.tensor(LENS),
+        extend_lens=torch.tensor(extend),
+        req_to_token=table.table,
+        kv_len=max(LENS) + t,
+        kv=kv,
+        compute=compute,
+    )
+    batch.verify = True
+    return batch
+
+
 @pytest.mark.parametrize(
     ("dtype", "weights"), [(torch.float32, "dequantize"), (torch.float32, "int8")]
 )
@@ -323,19 +346,7 @@ def test_a_verify_steps_padding_is_not_computed_and_its_rows_are_unchanged(
 
     def verify(extend: list[int]) -> tuple[torch.Tensor, torch.Tensor, KVPool]:
         pool = _copy(kv, dtype)
-        batch = make_batch(
-            input_ids=ids,
-            positions=pos,
-            out_cache_loc=loc,
-            req_rows=torch.arange(b),
-            prefix_lens=torch.tensor(LENS),
-            extend_lens=torch.tensor(extend),
-            req_to_token=table.table,
-            kv_len=max(LENS) + t,
-            kv=pool,
-            compute=stack,
-        )
-        batch.verify = True
+        batch = verify_batch(table, ids, extend, pool, stack)
         with torch.no_grad():
             hidden = model(batch)
             live = batch.live_positions()
@@ -393,21 +404,8 @@ def test_a_verify_steps_positions_are_their_plain_steps_bit_for_bit(
         loc = table.table[torch.arange(b).view(b, 1), pos].long()
         ids = torch.randint(3, 200, (b, t), generator=torch.Generator().manual_seed(3))
         together = _copy(kv, dtype)
-        batch = make_batch(
-            input_ids=ids,
-            positions=pos,
-            out_cache_loc=loc,
-            req_rows=torch.arange(b),
-            prefix_lens=torch.tensor(LENS),
-            extend_lens=torch.tensor(extend),
-            req_to_token=table.table,
-            kv_len=max(LENS) + t,
-            kv=together,
-            compute=stack,
-        )
-        batch.verify = True
         with torch.no_grad():
-            verified = model(batch)
+            verified = model(verify_batch(table, ids, extend, together, stack))
         one_by_one = _copy(kv, dtype)
         for j in range(t):
             rows = [r for r in range(b) if j < extend[r]]
