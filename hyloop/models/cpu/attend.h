@@ -302,6 +302,81 @@ inline const T* zero_row() {
   return zeros;
 }
 
+// Weighted values of HN heads (HN a compile-time count, so that their D sums and their
+// weights' sums stay in registers: a run-time count left them in memory, each add waiting on the
+// store before it): head r's weights are w[r][0, n) over value rows vs[0, n); each of its D
+// sums, and beside them its weights' sum, runs from +0 column by column; then out[r] takes
+// the sums times 1 / the weights' sum. ``Masked``: a column from ``every`` on adds to head r's
+// sums only where bit shift[r] of sees[j] is set (a verify row that does not see it: its weight
+// is +0, which its weights' sum takes, and its outputs' sums skip the column); the columns
+// before ``every`` are seen by every head.
+template <typename T, int NC, int HN, bool Masked>
+inline void weigh16(const float* const* w, const T* const* vs, int64_t n, int64_t every,
+                    const uint32_t* sees, const int64_t* shift, float* const* out) {
+  __m512 acc[HN][NC];
+  float total[HN];
+#pragma GCC unroll 8
+  for (int r = 0; r < HN; ++r) {
+    total[r] = 0.0f;
+    for (int i = 0; i < NC; ++i) acc[r][i] = _mm512_setzero_ps();
+  }
+  const int64_t all = Masked ? std::min(every, n) : n;
+  for (int64_t j = 0; j < all; ++j) {
+    __m512 v[NC];
+#pragma GCC unroll 8
+    for (int i = 0; i < NC; ++i) v[i] = load16(vs[j] + 16 * i);
+#pragma GCC unroll 8
+    for (int r = 0; r < HN; ++r) {
+      const float p = w[r][j];
+      total[r] = total[r] + p;
+      const __m512 pv = _mm512_set1_ps(p);
+#pragma GCC unroll 8
+      for (int i = 0; i < NC; ++i) acc[r][i] = _mm512_add_ps(acc[r][i], _mm512_mul_ps(pv, v[i]));
+    }
+  }
+  if constexpr (Masked) {
+    for (int64_t j = all; j < n; ++j) {
+      __m512 v[NC];
+#pragma GCC unroll 8
+      for (int i = 0; i < NC; ++i) v[i] = load16(vs[j] + 16 * i);
+#pragma GCC unroll 8
+      for (int r = 0; r < HN; ++r) {
+        const float p = w[r][j];
+        total[r] = total[r] + p;
+        const __m512 pv = _mm512_set1_ps(p);
+        const __mmask16 on = static_cast<__mmask16>(0u - ((sees[j] >> shift[r]) & 1u));
+#pragma GCC unroll 8
+        for (int i = 0; i < NC; ++i)
+          acc[r][i] = _mm512_mask_add_ps(acc[r][i], on, acc[r][i], _mm512_mul_ps(pv, v[i]));
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < HN; ++r) {
+    const __m512 iv = _mm512_set1_ps(1.0f / total[r]);
+    for (int i = 0; i < NC; ++i) _mm512_storeu_ps(out[r] + 16 * i, _mm512_mul_ps(acc[r][i], iv));
+  }
+}
+
+// ``weigh16`` for hn <= 16 / NC heads, hn known at run time.
+template <typename T, int NC, bool Masked>
+inline void weigh16_n(int64_t hn, const float* const* w, const T* const* vs, int64_t n,
+                      int64_t every, const uint32_t* sees, const int64_t* shift,
+                      float* const* out) {
+  static_assert(NC == 4 || NC == 8);
+  switch (hn) {
+    case 1: weigh16<T, NC, 1, Masked>(w, vs, n, every, sees, shift, out); break;
+    case 2: weigh16<T, NC, 2, Masked>(w, vs, n, every, sees, shift, out); break;
+    case 3:
+      if constexpr (NC == 4) weigh16<T, NC, 3, Masked>(w, vs, n, every, sees, shift, out);
+      break;
+    case 4:
+      if constexpr (NC == 4) weigh16<T, NC, 4, Masked>(w, vs, n, every, sees, shift, out);
+      break;
+    default: break;
+  }
+}
+
 // ``group`` for head_dim = 16 * NC on AVX-512: the same arithmetic in the same order, 16
 // columns' scores reduced together (``tree16x16``) and each head's output summed in registers.
 // A lane's sum starts at its first product, not at +0 + that product: the two differ only in
@@ -381,28 +456,13 @@ void group16(const float* q, int64_t G, const T* kb, int64_t k_row, const T* vb,
   constexpr int64_t HB = 16 / NC;  // heads a pass holds
   for (int64_t g0 = 0; g0 < G; g0 += HB) {
     const int64_t hb = std::min<int64_t>(HB, G - g0);
-    __m512 acc[HB][NC];
-    float total[HB];
-    for (int64_t g = 0; g < HB; ++g) {
-      total[g] = 0.0f;
-      for (int i = 0; i < NC; ++i) acc[g][i] = _mm512_setzero_ps();
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      __m512 v[NC];
-      for (int i = 0; i < NC; ++i) v[i] = load16(vs[j] + 16 * i);
-      for (int64_t g = 0; g < HB; ++g) {
-        if (g >= hb) break;
-        const float p = scores[(g0 + g) * L + j];
-        total[g] = total[g] + p;
-        const __m512 pv = _mm512_set1_ps(p);
-        for (int i = 0; i < NC; ++i) acc[g][i] = _mm512_add_ps(acc[g][i], _mm512_mul_ps(pv, v[i]));
-      }
-    }
+    const float* w[HB];
+    float* o[HB];
     for (int64_t g = 0; g < hb; ++g) {
-      const __m512 iv = _mm512_set1_ps(1.0f / total[g]);
-      for (int i = 0; i < NC; ++i)
-        _mm512_storeu_ps(out + (g0 + g) * D + 16 * i, _mm512_mul_ps(acc[g][i], iv));
+      w[g] = scores + (g0 + g) * L;
+      o[g] = out + (g0 + g) * D;
     }
+    weigh16_n<T, NC, false>(hb, w, vs.data(), n, n, nullptr, nullptr, o);
   }
 }
 #endif
@@ -430,16 +490,20 @@ void rows16(const float* q, int64_t P, int64_t G, const T* kb, int64_t k_row, co
   sees.resize(L + 16);
   bs.resize(P * (L + 16));
   int64_t n = 0;
+  int64_t every = -1;  // the leading union columns that every row sees
+  const uint32_t all = P == 32 ? ~0u : (1u << P) - 1;
   for (int64_t j = 0; j < L; ++j) {
     uint32_t bits = 0;
     for (int64_t i = 0; i < P; ++i) bits |= static_cast<uint32_t>(biases[i][j] != ninf) << i;
     if (bits == 0) continue;
+    if (bits != all && every < 0) every = n;
     ks[n] = kb + slots[j] * k_row + h * D;
     vs[n] = vb + slots[j] * v_row + h * D;
     sees[n] = bits;
     for (int64_t i = 0; i < P; ++i) bs[i * (L + 16) + n] = biases[i][j];
     ++n;
   }
+  if (every < 0) every = n;
   for (int64_t j = n; j < n + 16; ++j) {
     ks[j] = zero_row<T>();
     sees[j] = 0;
@@ -501,33 +565,15 @@ void rows16(const float* q, int64_t P, int64_t G, const T* kb, int64_t k_row, co
   constexpr int64_t HB = 16 / NC;
   for (int64_t r0 = 0; r0 < H; r0 += HB) {
     const int64_t hb = std::min<int64_t>(HB, H - r0);
-    __m512 acc[HB][NC];
-    float total[HB];
+    const float* w[HB];
+    float* o[HB];
     int64_t row[HB];
-    for (int64_t r = 0; r < HB; ++r) {
-      total[r] = 0.0f;
-      row[r] = (r0 + std::min(r, hb - 1)) / G;
-      for (int k = 0; k < NC; ++k) acc[r][k] = _mm512_setzero_ps();
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      __m512 v[NC];
-      for (int k = 0; k < NC; ++k) v[k] = load16(vs[j] + 16 * k);
-      const uint32_t bits = sees[j];
-      for (int64_t r = 0; r < HB; ++r) {
-        if (r >= hb) break;
-        const float p = scores[(r0 + r) * L + j];  // +0 where its row does not see column j
-        total[r] = total[r] + p;
-        const __m512 pv = _mm512_set1_ps(p);
-        const __mmask16 on = static_cast<__mmask16>(0u - ((bits >> row[r]) & 1u));
-        for (int k = 0; k < NC; ++k)
-          acc[r][k] = _mm512_mask_add_ps(acc[r][k], on, acc[r][k], _mm512_mul_ps(pv, v[k]));
-      }
-    }
     for (int64_t r = 0; r < hb; ++r) {
-      const __m512 iv = _mm512_set1_ps(1.0f / total[r]);
-      float* o = out[row[r]] + ((r0 + r) % G) * D;
-      for (int k = 0; k < NC; ++k) _mm512_storeu_ps(o + 16 * k, _mm512_mul_ps(acc[r][k], iv));
+      row[r] = (r0 + r) / G;
+      w[r] = scores + (r0 + r) * L;  // +0 where its row does not see column j
+      o[r] = out[row[r]] + ((r0 + r) % G) * D;
     }
+    weigh16_n<T, NC, true>(hb, w, vs.data(), n, every, sees.data(), row, o);
   }
 }
 #endif
