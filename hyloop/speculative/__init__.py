@@ -21,9 +21,13 @@ recent drafts; while the policy declines its matches, it drifts back to that, as
 measured cost does to a prior with each plain step, so drafting that stopped is tried again).
 Each row verifies the drafts whose
 chance of being kept beats ``r``, none when none does: drafts that rarely match, or positions
-that cost too much, leave the plain step; under
+that cost too much, leave the plain step. The rows' expected kept drafts, less their
+positions' cost, must also pay what a verify step costs whatever its drafts (the intercept of
+that fit: the drain under lookahead, the acceptance pass), else the step runs plain. A plain
+step's time follows its rows' contexts: once they moved by a quarter from the plain step that
+measured a batch size (a new wave, contexts grown), a plain step measures it again. Under
 lookahead, the steps after one that found no draft worth it are planned ahead without drafts,
-a stretch that doubles (up to 64 / rows steps) while drafting keeps not paying. Drafts
+a stretch that doubles (up to 64 steps) while drafting keeps not paying. Drafts
 stay within the request's output budget, so the KV a verify step writes lies in pages the
 request reserved at admission; what it writes for rejected positions lies past
 ``num_computed`` (which counts accepted tokens): masked from every later step until a later one

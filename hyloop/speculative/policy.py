@@ -21,8 +21,9 @@ DECAY = 0.8  # what a request's earlier verify steps weigh against its latest
 RELAX = 0.9  # a step a request does not draft moves its acceptance this far back to the prior
 DRIFT = 0.99  # a plain step moves a position's measured cost this far back to the prior
 QUIET = 4  # steps a lookahead loop plans without drafts once drafting did not pay ...
-QUIET_MAX = 64  # ... doubling each time it again did not pay, up to this many over the rows
+QUIET_MAX = 64  # ... doubling each time it again did not pay, up to this many
 REMEASURE = 16  # verify steps between two plain ones of a batch size (contexts grow)
+RESIZED = 0.25  # a batch size's contexts moved this far from its plain step's: measure anew
 FIT_DECAY = 0.9  # what a batch size's earlier verify steps weigh in its cost fit, per step
 
 
@@ -84,9 +85,17 @@ class Speculator:
         self.plain: dict[int, float] = {}
         self.position: dict[int, float] = {}
         self.since_plain: dict[int, int] = {}  # verify steps since a plain one, by batch size
+        # by batch size: the summed context of the plain step that measured it (a plain step's
+        # time follows its rows' contexts: a new wave of requests, or contexts grown by a
+        # quarter, make the average stale)
+        self.context: dict[int, int] = {}
         # by batch size: decayed sums (n, x, y, xx, xy) of verify steps' drafts x and their time
         # over the plain step's y, whose slope is a draft's cost without the step's fixed part
         self.fits: dict[int, list[float]] = {}
+        # by batch size: seconds a verify step costs over a plain one whatever its drafts (the
+        # fit's intercept: the drain it makes under lookahead, the acceptance pass); a step's
+        # drafts must win that back together
+        self.fixed: dict[int, float] = {}
         self.quiet = 0  # planned steps left without drafts (lookahead)
         self.quiet_next = QUIET  # the next stretch of them
         # every request's decayed (kept, verified) drafts: where an untried request's own
@@ -112,7 +121,12 @@ class Speculator:
         """A decode step's wall time, into the cost model (moving averages per batch size)."""
         rows = len(batch.chunks)
         if not batch.verify:
-            plain = self.plain[rows] = _average(self.plain.get(rows), seconds)
+            context = _context(batch.chunks)
+            if _moved(self.context.get(rows), context):  # other contexts: this step alone
+                plain = self.plain[rows] = seconds
+            else:
+                plain = self.plain[rows] = _average(self.plain.get(rows), seconds)
+            self.context[rows] = context
             self.since_plain[rows] = 0
             if rows in self.position:  # unverified lately, the cost drifts back to the prior:
                 prior = PRIOR_RATIO * plain / rows  # drafting that stopped is tried again
@@ -130,6 +144,16 @@ class Speculator:
             self.position[rows] = _average(
                 self.position.get(rows), y / extra if cost is None else cost
             )
+            # without a slope each draft carries the whole step: nothing is left over
+            self.fixed[rows] = 0.0 if cost is None else max(0.0, (fit[2] - cost * fit[1]) / fit[0])
+
+    def overhead(self, rows: int) -> float:
+        """What a verify step costs whatever its drafts, in tokens of a plain step of ``rows``
+        rows (0 until measured)."""
+        plain, fixed = self.plain.get(rows), self.fixed.get(rows)
+        if plain is None or fixed is None:
+            return 0.0
+        return fixed / (plain / rows)
 
     def skips(self) -> bool:
         """Whether a lookahead loop may plan the next step without drafts (drafting did not
@@ -153,9 +177,14 @@ class Speculator:
         """Each decode chunk takes its request's drafts, as many per row as the cost model says
         pay (none where a feature the request uses is fed by the host: its next mask needs the
         token before); whether the step verifies. A batch size whose plain step is not
-        measured, or not lately (``REMEASURE`` verify steps), runs one plain step first."""
+        measured, or not lately (``REMEASURE`` verify steps, or contexts that moved by
+        ``RESIZED`` since), runs one plain step first."""
         adaptive = self.adaptive
-        if adaptive and self.since_plain.get(len(chunks), REMEASURE) >= REMEASURE:
+        rows = len(chunks)
+        if adaptive and (
+            self.since_plain.get(rows, REMEASURE) >= REMEASURE
+            or _moved(self.context.get(rows), _context(chunks))
+        ):
             return False
         proposals = [
             []
@@ -163,8 +192,8 @@ class Speculator:
             else self.propose(c.req)
             for c in chunks
         ]
-        cost = self.ratio(len(chunks))
-        drafted = 0
+        cost = self.ratio(rows)
+        drafted, gain = 0, 0.0
         for c, p in zip(chunks, proposals, strict=True):
             state = self.state(c.req)
             # its j-th draft is kept with chance rate ** j: worth a position while that beats
@@ -173,17 +202,23 @@ class Speculator:
             c.drafts = p[:keep]
             c.length = 1 + len(c.drafts)
             drafted += len(c.drafts)
+            gain += sum(state.rate**j - cost for j in range(1, keep + 1))
             if p and not c.drafts:  # not tried: its acceptance drifts back to the prior
                 prior = PRIOR[1] * self.pooled[0] / self.pooled[1]
                 state.kept = RELAX * state.kept + (1 - RELAX) * prior
                 state.verified = RELAX * state.verified + (1 - RELAX) * PRIOR[1]
+        if adaptive and drafted and gain <= self.overhead(rows):
+            # the drafts' expected gain over their positions does not pay for the verify step
+            # itself (a few drafts among many rows): a plain step
+            for c in chunks:
+                c.drafts, c.length = [], 1
+            drafted = 0
         if drafted:
             self.quiet, self.quiet_next = 0, QUIET
         else:
-            # the more rows, the sooner one of them matches again (and the less a drain costs
-            # beside the step): a stretch grows to QUIET_MAX / rows
-            most = max(QUIET, QUIET_MAX // len(chunks))
-            self.quiet, self.quiet_next = self.quiet_next, min(2 * self.quiet_next, most)
+            # whatever the rows: each drain gives up the overlap of one step, and a batch that
+            # lookahead runs (8 rows and more) drains every few steps at a cap over the rows
+            self.quiet, self.quiet_next = self.quiet_next, min(2 * self.quiet_next, QUIET_MAX)
             return False
         self.verify_steps += 1
         return True
@@ -227,6 +262,16 @@ class Speculator:
             "spec_acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
             "tokens_per_decode_step": decode_tokens / decode_steps if decode_steps else 0.0,
         }
+
+
+def _context(chunks: list[Chunk]) -> int:
+    """A step's rows' summed context (the positions each attends over)."""
+    return sum(c.start + 1 for c in chunks)
+
+
+def _moved(measured: int | None, context: int) -> bool:
+    """Whether ``context`` moved by more than ``RESIZED`` from the ``measured`` one."""
+    return measured is not None and abs(context - measured) > RESIZED * measured
 
 
 def _worth(rate: float, cost: float, most: int) -> int:

@@ -172,6 +172,53 @@ def test_one_slow_step_moves_the_cost_model_by_at_most_thirty_percent() -> None:
     assert spec.plain[1] == pytest.approx(0.0085)
 
 
+def test_a_verify_step_runs_only_where_its_drafts_win_back_its_fixed_part() -> None:
+    """What a verify step costs whatever its drafts (the intercept of its time over its
+    drafts) must be paid by the expected kept drafts over their positions' cost, all rows
+    together; else the step runs plain."""
+    spec = speculator()
+    req = request([1, 2, 3, 4, 5, 6, 1, 2], [], max_new=50)
+    spec.draft(decode([req]), [])
+    spec.timed(Batch(decode([req]), is_decode=True), 0.010)  # plain: 10 ms
+    for drafts in (1, 2, 3, 4, 1, 2, 3, 4):  # a verify step: 4 ms + 1 ms a draft
+        chunk = decode([req])[0]
+        chunk.drafts = [7] * drafts
+        spec.timed(Batch([chunk], is_decode=True, verify=True), 0.010 + 0.004 + 0.001 * drafts)
+    assert spec.fixed[1] == pytest.approx(0.004)  # the intercept of 4 ms
+    spec.position[1] = 0.001  # (the averaged slope, settled)
+    assert spec.overhead(1) == pytest.approx(0.4)
+    # acceptance 0.6 against 0.1 a position: four drafts worth 0.5 + 0.26 + 0.116 + 0.03 > 0.4
+    chunks = decode([req])
+    assert spec.draft(chunks, []) and len(chunks[0].drafts) == 4
+    spec.fixed[1] = 0.010  # 1 token: not won back, a plain step without drafts
+    chunks = decode([req])
+    assert not spec.draft(chunks, []) and chunks[0].drafts == [] and chunks[0].length == 1
+    spec.plain[2], spec.position[2], spec.since_plain[2] = 0.020, 0.001, 0
+    spec.fixed[2] = 0.010  # 1 token of a two-row step: two rows' drafts pay it together
+    chunks = decode([req, req])
+    assert spec.draft(chunks, []) and [len(c.drafts) for c in chunks] == [4, 4]
+
+
+def test_a_batch_size_measures_its_plain_step_anew_once_its_contexts_move() -> None:
+    """A plain step's time follows its rows' contexts: once they moved by a quarter from the
+    plain step that measured the batch size (a new wave, contexts grown), a plain step measures
+    it again, and that measurement replaces the average."""
+    spec = speculator()
+    req = request([1, 2, 3, 4, 5, 6, 1, 2], [], max_new=50)
+    spec.draft(decode([req]), [])
+    spec.timed(Batch(decode([req]), is_decode=True), 0.010)  # context 8
+    assert spec.draft(decode([req]), [])  # 8 -> 8: drafts
+    req.output_ids = [3, 4]  # context 10: a quarter more
+    assert spec.draft(decode([req]), [])
+    req.output_ids = [3, 4, 5]  # 11: moved by more than a quarter
+    chunks = decode([req])
+    assert not spec.draft(chunks, []) and chunks[0].drafts == []
+    spec.timed(Batch(chunks, is_decode=True), 0.030)  # replaces the 10 ms (not averaged)
+    assert spec.plain[1] == pytest.approx(0.030)
+    spec.timed(Batch(chunks, is_decode=True), 0.040)  # the same contexts: averaged
+    assert spec.plain[1] == pytest.approx(0.7 * 0.030 + 0.3 * 0.040)
+
+
 def test_speculation_is_refused_off_the_cpu() -> None:
     from hyloop.speculative import speculator_for
 
