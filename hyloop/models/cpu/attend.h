@@ -321,7 +321,7 @@ inline void weigh16(const float* const* w, const T* const* vs, int64_t n, int64_
     for (int i = 0; i < NC; ++i) acc[r][i] = _mm512_setzero_ps();
   }
   const int64_t all = Masked ? std::min(every, n) : n;
-  for (int64_t j = 0; j < all; ++j) {
+  for (int64_t j = 0; j < n; ++j) {
     __m512 v[NC];
 #pragma GCC unroll 8
     for (int i = 0; i < NC; ++i) v[i] = load16(vs[j] + 16 * i);
@@ -330,25 +330,13 @@ inline void weigh16(const float* const* w, const T* const* vs, int64_t n, int64_
       const float p = w[r][j];
       total[r] = total[r] + p;
       const __m512 pv = _mm512_set1_ps(p);
+      // every head sees the columns before ``all`` (a full mask adds as an unmasked add)
+      const __mmask16 on =
+          j < all ? static_cast<__mmask16>(0xFFFF)
+                  : static_cast<__mmask16>(0u - ((sees[j] >> shift[r]) & 1u));
 #pragma GCC unroll 8
-      for (int i = 0; i < NC; ++i) acc[r][i] = _mm512_add_ps(acc[r][i], _mm512_mul_ps(pv, v[i]));
-    }
-  }
-  if constexpr (Masked) {
-    for (int64_t j = all; j < n; ++j) {
-      __m512 v[NC];
-#pragma GCC unroll 8
-      for (int i = 0; i < NC; ++i) v[i] = load16(vs[j] + 16 * i);
-#pragma GCC unroll 8
-      for (int r = 0; r < HN; ++r) {
-        const float p = w[r][j];
-        total[r] = total[r] + p;
-        const __m512 pv = _mm512_set1_ps(p);
-        const __mmask16 on = static_cast<__mmask16>(0u - ((sees[j] >> shift[r]) & 1u));
-#pragma GCC unroll 8
-        for (int i = 0; i < NC; ++i)
-          acc[r][i] = _mm512_mask_add_ps(acc[r][i], on, acc[r][i], _mm512_mul_ps(pv, v[i]));
-      }
+      for (int i = 0; i < NC; ++i)
+        acc[r][i] = _mm512_mask_add_ps(acc[r][i], on, acc[r][i], _mm512_mul_ps(pv, v[i]));
     }
   }
 #pragma GCC unroll 8
