@@ -52,7 +52,8 @@ class TokenStep(StepKind):
         """One forward + sample. Shapes are fixed by ``batch``: capture-safe."""
         hidden = forward_all(self.model, batch)
         if batch.verify:  # a row and its drafts (``hyloop.speculative``)
-            return verify(self.model, self._sample, hidden, batch)
+            positionwise = not any(batch.features & f.bit for f in self.features)
+            return verify(self.model, self._sample, hidden, batch, positionwise)
         logits = self.model.compute_logits(last_rows(hidden, batch))
         next_ids = self._sample(logits, batch)
         out = StepOutput(next_ids, logits)

@@ -101,6 +101,32 @@ def test_speculation_gives_the_tokens_of_decoding_without_it(
     assert drafted > 0 and accepted > 0, (drafted, accepted)  # the verify path ran and kept
 
 
+def test_a_batch_without_features_samples_its_positions_in_one_call(
+    engines: dict[str, LLM], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Greedy and seeded sampled rows with no feature (top-k and top-p are the sampler's) take
+    the one-call path; their tokens and logprobs are decoding's without speculation."""
+    import hyloop.framework.token_step as token_step
+
+    paths: list[bool] = []
+    inner = token_step.verify
+
+    def spy(*args: Any) -> Any:
+        paths.append(args[-1])
+        return inner(*args)
+
+    kinds = [0, 1, 0, 1]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(kinds))]
+    off = run(engines["off"], prompts, kinds)
+    monkeypatch.setattr(token_step, "verify", spy)
+    assert run(engines["on"], prompts, kinds) == off
+    assert paths and all(paths), paths  # every verify step sampled its positions at once
+    paths.clear()
+    mixed = [0, 2]  # a penalty: positions one after another, counting the kept tokens
+    assert run(engines["on"], prompts[:2], mixed) == run(engines["off"], prompts[:2], mixed)
+    assert paths and not any(paths), paths
+
+
 def test_verified_positions_have_the_plain_steps_logits_bit_for_bit(
     engines: dict[str, LLM],
 ) -> None:
