@@ -16,9 +16,12 @@ position of its own (the step's rows are padded to the longest, but the decoder 
 head compute no padding), worth ``r`` tokens of a plain step (``r``: the measured cost of a
 position, the slope of verify-step time over drafts, over the measured time per token of a
 plain step of that batch size); row ``i``'s ``j``-th draft is kept with probability
-``a_i ** j`` (``a_i``: its recent acceptance, starting from the engine's pooled acceptance of
-recent drafts; while the policy declines its matches, it drifts back to that, as a position's
-measured cost does to a prior with each plain step, so drafting that stopped is tried again).
+``a_i ** j``. ``a_i`` is the geometric mean of two acceptances: the request's recent one, and
+the engine's for proposals that followed as long an n-gram (a long match is mostly a passage
+being copied, a short one mostly chance), each starting from the engine's pooled acceptance of
+recent drafts. While the policy declines a row's matches, both drift back to that, the pooled
+one to a prior of 0.6, and a position's measured cost to a prior with each plain step, so
+drafting that stopped is tried again.
 Each row verifies the drafts whose
 chance of being kept beats ``r``, none when none does: drafts that rarely match, or positions
 that cost too much, leave the plain step. The rows' expected kept drafts, less their

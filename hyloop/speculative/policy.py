@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +36,7 @@ class NgramDrafter:
         self.lo, self.hi = lo, hi
         self.seen = 0  # history tokens indexed
         self.after: dict[tuple[int, ...], int] = {}
+        self.matched = 0  # the length of the n-gram the last proposal followed (0: none)
 
     def extend(self, history: list[int]) -> None:
         """Index the n-grams that end before each new token of ``history``."""
@@ -45,13 +47,16 @@ class NgramDrafter:
 
     def propose(self, history: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens that followed the latest earlier occurrence of the history's
-        trailing n-gram (the longest that occurred before); [] when none did."""
+        trailing n-gram (the longest that occurred before); [] when none did. ``matched`` holds
+        that n-gram's length."""
         self.extend(history)
         size = len(history)
         for n in range(min(self.hi, size), self.lo - 1, -1):
             at = self.after.get(tuple(history[size - n :]))
             if at is not None:
+                self.matched = n
                 return history[at : at + k]
+        self.matched = 0
         return []
 
 
@@ -64,6 +69,7 @@ class DraftState:
     verified: float = PRIOR[1]  # decayed count of drafts verified (up to the first miss)
     drafted: int = 0  # draft tokens it proposed, in total
     accepted: int = 0  # of them, those kept
+    matched: int = 0  # the length of the n-gram its latest proposal followed
 
     @property
     def rate(self) -> float:
@@ -102,13 +108,27 @@ class Speculator:
         # acceptance drifts back to (a request with a miss behind it retries where drafts
         # mostly pay, and does not where they mostly do not)
         self.pooled = PRIOR
+        # by the length of the n-gram a proposal followed: the engine's decayed (kept, verified)
+        # drafts of such proposals. A long match is mostly a passage being copied, a short one
+        # mostly chance: a row's chance blends its own acceptance with its match length's
+        self.by_match: dict[int, tuple[float, float]] = {}
 
     def state(self, req: Request) -> DraftState:
         if req.draft is None:  # a new request starts at the pooled acceptance
-            kept = PRIOR[1] * self.pooled[0] / self.pooled[1]
-            req.draft = DraftState(NgramDrafter(self.lo, self.hi), kept, PRIOR[1])
+            req.draft = DraftState(NgramDrafter(self.lo, self.hi), *self._prior())
         state: DraftState = req.draft
         return state
+
+    def chance(self, state: DraftState) -> float:
+        """The chance a row's next draft is kept, given the ones before it were: the geometric
+        mean of its request's acceptance and that of proposals from as long a match (a request
+        whose drafts keep failing stops, whatever the match)."""
+        kept, verified = self.by_match.get(state.matched, self._prior())
+        return math.sqrt(state.rate * kept / verified)
+
+    def _prior(self) -> tuple[float, float]:
+        """Where an untried request or match length starts: the pooled acceptance."""
+        return PRIOR[1] * self.pooled[0] / self.pooled[1], PRIOR[1]
 
     def ratio(self, rows: int) -> float:
         """What one verified draft costs, in tokens of a plain step of ``rows`` rows."""
@@ -171,7 +191,10 @@ class Speculator:
         room = min(self.k, req.max_new - len(req.output_ids) - 1)
         if room <= 0:
             return []
-        return self.state(req).drafter.propose(req.prompt_ids + req.output_ids, room)
+        state = self.state(req)
+        drafts = state.drafter.propose(req.prompt_ids + req.output_ids, room)
+        state.matched = state.drafter.matched
+        return drafts
 
     def draft(self, chunks: list[Chunk], features: list[Feature]) -> bool:
         """Each decode chunk takes its request's drafts, as many per row as the cost model says
@@ -198,15 +221,14 @@ class Speculator:
             state = self.state(c.req)
             # its j-th draft is kept with chance rate ** j: worth a position while that beats
             # what a position costs
-            keep = len(p) if not adaptive else _worth(state.rate, cost, len(p))
+            rate = self.chance(state)
+            keep = len(p) if not adaptive else _worth(rate, cost, len(p))
             c.drafts = p[:keep]
             c.length = 1 + len(c.drafts)
             drafted += len(c.drafts)
-            gain += sum(state.rate**j - cost for j in range(1, keep + 1))
-            if p and not c.drafts:  # not tried: its acceptance drifts back to the prior
-                prior = PRIOR[1] * self.pooled[0] / self.pooled[1]
-                state.kept = RELAX * state.kept + (1 - RELAX) * prior
-                state.verified = RELAX * state.verified + (1 - RELAX) * PRIOR[1]
+            gain += sum(rate**j - cost for j in range(1, keep + 1))
+            if p and not c.drafts:
+                self._untried(state)
         if adaptive and drafted and gain <= self.overhead(rows):
             # the drafts' expected gain over their positions does not pay for the verify step
             # itself (a few drafts among many rows): a plain step
@@ -223,6 +245,22 @@ class Speculator:
         self.verify_steps += 1
         return True
 
+    def _untried(self, state: DraftState) -> None:
+        """A proposal not verified: the acceptances it would have tried drift back to the
+        prior (the request's and its match length's, to the pooled one; the pooled one to
+        ``PRIOR``), so that drafting that stopped where it did not pay is tried again later,
+        and the pooled acceptance cannot settle where no request ever drafts again."""
+        prior = self._prior()
+        state.kept = RELAX * state.kept + (1 - RELAX) * prior[0]
+        state.verified = RELAX * state.verified + (1 - RELAX) * prior[1]
+        kept, verified = self.by_match.get(state.matched, prior)
+        self.by_match[state.matched] = (
+            RELAX * kept + (1 - RELAX) * prior[0],
+            RELAX * verified + (1 - RELAX) * prior[1],
+        )
+        kept, verified = self.pooled
+        self.pooled = (POOLED * kept + (1 - POOLED) * PRIOR[0] * verified / PRIOR[1], verified)
+
     def accept(self, chunks: list[Chunk], taken: torch.Tensor | None) -> None:
         """A resolved verify step: each chunk takes its row's count of kept tokens (its
         accepted drafts and the token after them; the scheduler lowers it to what it appended,
@@ -237,8 +275,13 @@ class Speculator:
         for c in chunks:
             accepted = max(0, c.taken - 1)
             self.record(c.req, len(c.drafts), accepted)
-            kept += accepted
-            verified += accepted + (accepted < len(c.drafts))
+            if c.drafts:
+                tried = accepted + (accepted < len(c.drafts))
+                matched = self.state(c.req).matched
+                k, v = self.by_match.get(matched, self._prior())
+                self.by_match[matched] = (POOLED * (k + accepted), POOLED * (v + tried))
+                kept += accepted
+                verified += tried
         self.pooled = (POOLED * kept, POOLED * verified)
 
     def record(self, req: Request, drafted: int, accepted: int) -> None:

@@ -70,11 +70,12 @@ def test_a_batch_size_runs_a_measured_plain_step_first_then_drafts_what_pays() -
     assert spec.draft(chunks, []) and chunks[0].drafts == [3, 4]
     spec.timed(Batch(chunks, is_decode=True, verify=True), 0.012)  # 1 ms a position
     assert spec.ratio(1) == pytest.approx(0.1)
-    spec.record(req, drafted=4, accepted=0)  # a miss: acceptance falls
-    for _ in range(4):
-        spec.record(req, drafted=1, accepted=0)
+    for _ in range(8):  # misses: the request's acceptance falls, and its match length's
+        missed = decode([req])
+        missed[0].drafts, missed[0].taken = [3, 4], 1
+        spec.settle(missed)
     low = req.draft.rate
-    assert low < 0.1
+    assert low < 0.1 and spec.chance(req.draft) < spec.ratio(1)
     chunks = decode([req])
     assert not spec.draft(chunks, []) and chunks[0].drafts == []  # expected gain below cost
     assert low < req.draft.rate < 0.6  # untried, its acceptance drifts back towards the prior
@@ -119,6 +120,49 @@ def test_each_row_keeps_the_drafts_that_beat_a_positions_cost_and_padding_costs_
     assert spec.position[2] == pytest.approx(0.7 * 0.002 + 0.3 * 0.003)
     spec.since_plain[2] = REMEASURE  # contexts grew: a plain step measures again
     assert not spec.draft(decode([hit, miss]), [])
+
+
+def test_a_long_match_that_was_kept_drafts_more_than_a_short_one_that_was_not() -> None:
+    """A row's chance blends its request's acceptance with that of proposals from as long a
+    match: two new requests (the same acceptance), more drafts after the longer match."""
+    section = load_config(
+        None,
+        [
+            "speculative.method=ngram",
+            "speculative.num_speculative_tokens=8",
+            "speculative.prompt_lookup_min=1",
+            "speculative.prompt_lookup_max=4",
+        ],
+    ).speculative
+    spec = Speculator(section)
+    spec.plain[2], spec.position[2], spec.since_plain[2] = 0.010, 0.001, 0  # 0.2 a position
+    long = request([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4], [], max_new=50)
+    short = request([5, 7, 9, 8, 6, 5], [], max_new=50)
+    chunks = decode([long, short])
+    assert spec.draft(chunks, [])
+    assert [long.draft.matched, short.draft.matched] == [4, 1]
+    assert [len(c.drafts) for c in chunks] == [3, 3]  # untried lengths: the pooled 0.6 each
+    for c, kept in zip(chunks, [2, 0], strict=True):  # the long match's drafts kept, not the other
+        c.taken = 1 + kept
+    spec.settle(chunks)
+    first = [long.draft.rate, short.draft.rate]
+    long.draft.kept, long.draft.verified = short.draft.kept, short.draft.verified  # alike
+    assert spec.chance(long.draft) > spec.chance(short.draft), first
+    chunks = decode([long, short])
+    assert spec.draft(chunks, [])
+    assert [len(c.drafts) for c in chunks] == [2, 1]
+
+
+def test_drafting_that_stopped_everywhere_is_tried_again() -> None:
+    """The engine's pooled acceptance, where new requests start, drifts back to the prior while
+    proposals go untried: it cannot settle where no request ever drafts again."""
+    spec = speculator()
+    spec.plain[1], spec.position[1], spec.since_plain[1] = 0.010, 0.004, 0  # 0.4 a position
+    spec.pooled = (0.2, 10.0)  # the engine's drafts mostly failed: acceptance 0.02
+    req = request([1, 2, 3, 4, 5, 6, 1, 2], [], max_new=500)  # starts at the pooled 0.02
+    tried = [spec.draft(decode([req]), []) for _ in range(300)]
+    assert not tried[0] and any(tried)
+    assert spec.pooled[0] / spec.pooled[1] > 0.3
 
 
 def test_vllm_speculative_config_maps_onto_the_section() -> None:
