@@ -11,7 +11,10 @@ at batch 1 and fits a step's cost: a plain step ``P``, a verify step of ``d`` dr
 ``P + F + C d``. With them the replay predicts each drafting setting's on / off at batch 1:
 ``P * tokens / (P * plain steps + sum over verify steps of (P + F + C d))``. The table gives, per
 workload and setting, the share of steps that had a draft, the tokens per step, the predicted
-on / off, and the ceiling if verifying cost nothing (``F = C = 0``: tokens per step).
+on / off, and the ceiling if verifying cost nothing (``F = C = 0``: tokens per step). A second
+table gives, per length of the n-gram a proposal matched, how often its first draft was kept and
+how many of its drafts were, on average (what the policy's acceptance by match length learns as
+it runs).
 
     python bench/speculative_replay.py [--workloads rag,code,chat] [--json F]
 """
@@ -41,6 +44,7 @@ from hyloop.speculative.policy import NgramDrafter  # noqa: E402
 # (lookup min, lookup max, drafts): the bench's setting first
 SETTINGS = [(3, 6, 8), (2, 6, 8), (1, 6, 8), (3, 12, 8), (4, 8, 8)]
 SETTINGS += [(3, 6, 4), (3, 6, 12), (3, 6, 16)]
+MATCH_SETTING = (1, 8, 15)  # the per-match-length table: every length from 1 to 8
 OVERRIDES = [
     "dtype=float32",
     "model.weights=auto",
@@ -123,6 +127,32 @@ def replay(requests: list[dict], lo: int, hi: int, k: int) -> dict[str, float]:
     return {"steps": steps, "drafting": drafting, "drafts": drafts, "tokens": made}
 
 
+def by_match(requests: list[dict], lo: int, hi: int, k: int) -> dict[int, dict[str, float]]:
+    """Per length of the n-gram a proposal followed: the proposals, the share whose first draft
+    was kept, and the mean drafts kept (every proposal verified in full)."""
+    table: dict[int, list[int]] = {}
+    for r in requests:
+        history, output = list(r["prompt"]), r["output"]
+        drafter = NgramDrafter(lo, hi)
+        pos = 0
+        while pos < len(output):
+            proposal = drafter.propose(history, min(k, len(output) - pos - 1))
+            kept = 0
+            while kept < len(proposal) and proposal[kept] == output[pos + kept]:
+                kept += 1
+            if proposal:
+                row = table.setdefault(drafter.matched, [0, 0, 0])
+                row[0] += 1
+                row[1] += kept > 0
+                row[2] += kept
+            history += output[pos : pos + kept + 1]
+            pos += kept + 1
+    return {
+        n: {"proposals": c, "first_kept": first / c, "mean_kept": kept / c}
+        for n, (c, first, kept) in sorted(table.items())
+    }
+
+
 def predicted(rep: dict[str, float], cost: dict[str, float]) -> float:
     """On / off at batch 1 for a replay, under the fitted step costs."""
     p, f, c = cost["plain_s"], cost["fixed_s"], cost["per_draft_s"]
@@ -178,8 +208,30 @@ def main() -> None:
             f"{100 * r['drafting_share']:.0f} % | {r['tokens_per_step']:.2f} | "
             f"{r['predicted_ratio']:.2f} |"
         )
+    lo, hi, k = MATCH_SETTING
+    print(
+        f"\nBy the length of the n-gram a proposal matched (lookups {lo}-{hi}, up to {k} drafts, "
+        "every proposal verified)"
+    )
+    print("| workload | match length | proposals | first draft kept | mean drafts kept |")
+    print("|---|---:|---:|---:|---:|")
+    matches = {}
+    for name in names:
+        matches[name] = by_match(tokens[name], lo, hi, k)
+        for n, m in matches[name].items():
+            print(
+                f"| {name} | {n} | {m['proposals']} | {100 * m['first_kept']:.0f} % | "
+                f"{m['mean_kept']:.1f} |"
+            )
     write_json(
-        {"bench": "speculative_replay", "args": vars(args), "cost": cost, "rows": rows}, args.json
+        {
+            "bench": "speculative_replay",
+            "args": vars(args),
+            "cost": cost,
+            "rows": rows,
+            "by_match": matches,
+        },
+        args.json,
     )
 
 
