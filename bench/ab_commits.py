@@ -8,8 +8,8 @@ rounds for each tree and their ratio.
     python bench/ab_commits.py --base /tmp/parent --rounds 3 -- bench/peers.py --quick --skip-hf
 
 Figures are the numbers the script writes to its ``--json``: those under keys named ``b1``,
-``b16``, ``*_tok_s`` or ``ppl``, named by the row's ``engine`` / ``model`` / ``variant`` and the
-keys on the way.
+``b16``, ``*_tok_s`` or ``ppl``, named by the row's ``engine`` / ``model`` / ``variant`` /
+``workload`` (and its ``batch``) and the keys on the way.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 from common import cpu_name  # type: ignore[import-not-found]
 
 FIGURE = re.compile(r"^(b1|b16|.*_tok_s|ppl)$")
-NAMES = ("engine", "model", "variant")
+NAMES = ("engine", "model", "variant", "workload")  # a row's name, with its batch (``b16``)
 
 
 def figures(node: Any, path: str = "") -> dict[str, float]:
@@ -35,6 +35,8 @@ def figures(node: Any, path: str = "") -> dict[str, float]:
     out: dict[str, float] = {}
     if isinstance(node, dict):
         label = " ".join(str(node[k]) for k in NAMES if isinstance(node.get(k), str))
+        if isinstance(node.get("batch"), int) and label:
+            label += f" b{node['batch']}"
         here = f"{path} {label}".strip() if label else path
         for key, value in node.items():
             if key in ("waves", "args", "machine", "cpu"):
