@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -105,10 +106,9 @@ def step_costs(workload: str, requests: int, new_tokens: int) -> dict[str, float
     return {"plain_s": p, "fixed_s": f, "per_draft_s": c, "steps": len(rows)}
 
 
-def replay(requests: list[dict], lo: int, hi: int, k: int) -> dict[str, float]:
-    """The drafter over each request's tokens: steps, those with a draft, drafts, and the
-    tokens made."""
-    steps = drafting = drafts = 0
+def proposals(requests: list[dict], lo: int, hi: int, k: int) -> Iterator[tuple[int, int, int]]:
+    """The drafter over each request's tokens, one step at a time: the length of the n-gram the
+    step's proposal matched (0: none), its drafts, and how many of them were kept."""
     for r in requests:
         history, output = list(r["prompt"]), r["output"]
         drafter = NgramDrafter(lo, hi)
@@ -118,11 +118,19 @@ def replay(requests: list[dict], lo: int, hi: int, k: int) -> dict[str, float]:
             kept = 0
             while kept < len(proposal) and proposal[kept] == output[pos + kept]:
                 kept += 1
-            steps += 1
-            drafting += bool(proposal)
-            drafts += len(proposal)
+            yield drafter.matched, len(proposal), kept
             history += output[pos : pos + kept + 1]
             pos += kept + 1
+
+
+def replay(requests: list[dict], lo: int, hi: int, k: int) -> dict[str, float]:
+    """The drafter over each request's tokens: steps, those with a draft, drafts, and the
+    tokens made."""
+    steps = drafting = drafts = 0
+    for _, drafted, _ in proposals(requests, lo, hi, k):
+        steps += 1
+        drafting += drafted > 0
+        drafts += drafted
     made = sum(len(r["output"]) for r in requests)
     return {"steps": steps, "drafting": drafting, "drafts": drafts, "tokens": made}
 
@@ -131,22 +139,12 @@ def by_match(requests: list[dict], lo: int, hi: int, k: int) -> dict[int, dict[s
     """Per length of the n-gram a proposal followed: the proposals, the share whose first draft
     was kept, and the mean drafts kept (every proposal verified in full)."""
     table: dict[int, list[int]] = {}
-    for r in requests:
-        history, output = list(r["prompt"]), r["output"]
-        drafter = NgramDrafter(lo, hi)
-        pos = 0
-        while pos < len(output):
-            proposal = drafter.propose(history, min(k, len(output) - pos - 1))
-            kept = 0
-            while kept < len(proposal) and proposal[kept] == output[pos + kept]:
-                kept += 1
-            if proposal:
-                row = table.setdefault(drafter.matched, [0, 0, 0])
-                row[0] += 1
-                row[1] += kept > 0
-                row[2] += kept
-            history += output[pos : pos + kept + 1]
-            pos += kept + 1
+    for matched, drafted, kept in proposals(requests, lo, hi, k):
+        if drafted:
+            row = table.setdefault(matched, [0, 0, 0])
+            row[0] += 1
+            row[1] += kept > 0
+            row[2] += kept
     return {
         n: {"proposals": c, "first_kept": first / c, "mean_kept": kept / c}
         for n, (c, first, kept) in sorted(table.items())
