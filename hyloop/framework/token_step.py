@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hyloop.features.base import Feature
 from hyloop.framework.step_kinds import StepKind, TokenSampling
 from hyloop.graphs.ops import scatter_track_slots
 from hyloop.graphs.sampler import sample, token_logprobs
@@ -52,7 +53,7 @@ class TokenStep(StepKind):
         """One forward + sample. Shapes are fixed by ``batch``: capture-safe."""
         hidden = forward_all(self.model, batch)
         if batch.verify:  # a row and its drafts (``hyloop.speculative``)
-            positionwise = not any(batch.features & f.bit for f in self.features)
+            positionwise = not self._applied(batch)  # no feature: positions sampled at once
             return verify(self.model, self._sample, hidden, batch, positionwise)
         logits = self.model.compute_logits(last_rows(hidden, batch))
         next_ids = self._sample(logits, batch)
@@ -72,7 +73,7 @@ class TokenStep(StepKind):
         then the features take the kept samples."""
         s, rows = batch.pools.requests, batch.req_rows
         assert isinstance(s, TokenSampling)
-        applied = [f for f in self.features if batch.features & f.bit]
+        applied = self._applied(batch)
         processed = logits  # logprobs are the raw model's (vLLM's default)
         for f in applied:
             processed = f.apply(processed, s, batch)
@@ -91,6 +92,10 @@ class TokenStep(StepKind):
         for f in applied:
             f.after_sample(s, batch, next_ids)
         return next_ids
+
+    def _applied(self, batch: StepBatch) -> list[Feature]:
+        """The features the step applies, in ``framework.FEATURES`` order."""
+        return [f for f in self.features if batch.features & f.bit]
 
     def _prompt_logprobs(self, hidden: torch.Tensor, batch: StepBatch) -> tuple[torch.Tensor, ...]:
         """``token_logprobs`` of the next prompt tokens ``[B, T]`` (and the top ``[B, T, k]``) for

@@ -69,7 +69,6 @@ class DraftState:
     verified: float = PRIOR[1]  # decayed count of drafts verified (up to the first miss)
     drafted: int = 0  # draft tokens it proposed, in total
     accepted: int = 0  # of them, those kept
-    matched: int = 0  # the length of the n-gram its latest proposal followed
 
     @property
     def rate(self) -> float:
@@ -123,7 +122,7 @@ class Speculator:
         """The chance a row's next draft is kept, given the ones before it were: the geometric
         mean of its request's acceptance and that of proposals from as long a match (a request
         whose drafts keep failing stops, whatever the match)."""
-        kept, verified = self.by_match.get(state.matched, self._prior())
+        kept, verified = self.by_match.get(state.drafter.matched, self._prior())
         return math.sqrt(state.rate * kept / verified)
 
     def _prior(self) -> tuple[float, float]:
@@ -191,10 +190,7 @@ class Speculator:
         room = min(self.k, req.max_new - len(req.output_ids) - 1)
         if room <= 0:
             return []
-        state = self.state(req)
-        drafts = state.drafter.propose(req.prompt_ids + req.output_ids, room)
-        state.matched = state.drafter.matched
-        return drafts
+        return self.state(req).drafter.propose(req.prompt_ids + req.output_ids, room)
 
     def draft(self, chunks: list[Chunk], features: list[Feature]) -> bool:
         """Each decode chunk takes its request's drafts, as many per row as the cost model says
@@ -253,8 +249,9 @@ class Speculator:
         prior = self._prior()
         state.kept = RELAX * state.kept + (1 - RELAX) * prior[0]
         state.verified = RELAX * state.verified + (1 - RELAX) * prior[1]
-        kept, verified = self.by_match.get(state.matched, prior)
-        self.by_match[state.matched] = (
+        matched = state.drafter.matched
+        kept, verified = self.by_match.get(matched, prior)
+        self.by_match[matched] = (
             RELAX * kept + (1 - RELAX) * prior[0],
             RELAX * verified + (1 - RELAX) * prior[1],
         )
@@ -277,7 +274,7 @@ class Speculator:
             self.record(c.req, len(c.drafts), accepted)
             if c.drafts:
                 tried = accepted + (accepted < len(c.drafts))
-                matched = self.state(c.req).matched
+                matched = self.state(c.req).drafter.matched  # what its drafts followed
                 k, v = self.by_match.get(matched, self._prior())
                 self.by_match[matched] = (POOLED * (k + accepted), POOLED * (v + tried))
                 kept += accepted

@@ -140,7 +140,7 @@ def test_a_long_match_that_was_kept_drafts_more_than_a_short_one_that_was_not() 
     short = request([5, 7, 9, 8, 6, 5], [], max_new=50)
     chunks = decode([long, short])
     assert spec.draft(chunks, [])
-    assert [long.draft.matched, short.draft.matched] == [4, 1]
+    assert [long.draft.drafter.matched, short.draft.drafter.matched] == [4, 1]
     assert [len(c.drafts) for c in chunks] == [3, 3]  # untried lengths: the pooled 0.6 each
     for c, kept in zip(chunks, [2, 0], strict=True):  # the long match's drafts kept, not the other
         c.taken = 1 + kept
