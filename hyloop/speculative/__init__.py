@@ -28,9 +28,12 @@ that cost too much, leave the plain step. The rows' expected kept drafts, less t
 positions' cost, must also pay what a verify step costs whatever its drafts (the intercept of
 that fit: the drain under lookahead, the acceptance pass), else the step runs plain. A plain
 step's time follows its rows' contexts: once they moved by a quarter from the plain step that
-measured a batch size (a new wave, contexts grown), a plain step measures it again. Under
-lookahead, the steps after one that found no draft worth it are planned ahead without drafts,
-a stretch that doubles (up to 64 steps) while drafting keeps not paying. Drafts
+measured a batch size (a new wave, contexts grown), a plain step measures it again. A batch
+size never measured drafts on the costs of a measured one within half again of it (a wave's
+last requests end a few at a time) until it runs its own plain step. Under lookahead, the
+steps after one that found no draft worth it are planned ahead without drafts, a stretch that
+doubles (up to 64 steps) while drafting keeps not paying and starts over with each new
+request. Drafts
 stay within the request's output budget, so the KV a verify step writes lies in pages the
 request reserved at admission; what it writes for rejected positions lies past
 ``num_computed`` (which counts accepted tokens): masked from every later step until a later one

@@ -24,6 +24,7 @@ DRIFT = 0.99  # a plain step moves a position's measured cost this far back to t
 QUIET = 4  # steps a lookahead loop plans without drafts once drafting did not pay ...
 QUIET_MAX = 64  # ... doubling each time it again did not pay, up to this many
 REMEASURE = 16  # verify steps between two plain ones of a batch size (contexts grow)
+NEAR = 1.5  # an unmeasured batch size drafts on the costs of a measured one within this factor
 RESIZED = 0.25  # a batch size's contexts moved this far from its plain step's: measure anew
 FIT_DECAY = 0.9  # what a batch size's earlier verify steps weigh in its cost fit, per step
 
@@ -115,6 +116,9 @@ class Speculator:
     def state(self, req: Request) -> DraftState:
         if req.draft is None:  # a new request starts at the pooled acceptance
             req.draft = DraftState(NgramDrafter(self.lo, self.hi), *self._prior())
+            # and is a new chance: lookahead drains for it at once, whatever stretch without
+            # drafts the requests before it (their last steps had no room to draft) left
+            self.quiet, self.quiet_next = 0, QUIET
         state: DraftState = req.draft
         return state
 
@@ -129,12 +133,22 @@ class Speculator:
         """Where an untried request or match length starts: the pooled acceptance."""
         return PRIOR[1] * self.pooled[0] / self.pooled[1], PRIOR[1]
 
+    def measured(self, rows: int) -> int | None:
+        """The batch size whose costs a step of ``rows`` rows drafts on: its own once a plain
+        and a verify step measured it, else the nearest size within ``NEAR`` of it that they
+        did (a wave's last requests end a few at a time: each smaller batch would otherwise
+        run a plain step first), else None."""
+        if rows in self.plain and rows in self.position:
+            return rows
+        near = [s for s in self.position if s in self.plain and max(s, rows) <= NEAR * min(s, rows)]
+        return min(near, key=lambda s: (abs(s - rows), -s), default=None)
+
     def ratio(self, rows: int) -> float:
         """What one verified draft costs, in tokens of a plain step of ``rows`` rows."""
-        plain, position = self.plain.get(rows), self.position.get(rows)
-        if plain is None or position is None:
+        size = self.measured(rows)
+        if size is None:
             return PRIOR_RATIO
-        return position / (plain / rows)
+        return self.position[size] / (self.plain[size] / size)
 
     def timed(self, batch: Batch, seconds: float) -> None:
         """A decode step's wall time, into the cost model (moving averages per batch size)."""
@@ -169,10 +183,10 @@ class Speculator:
     def overhead(self, rows: int) -> float:
         """What a verify step costs whatever its drafts, in tokens of a plain step of ``rows``
         rows (0 until measured)."""
-        plain, fixed = self.plain.get(rows), self.fixed.get(rows)
-        if plain is None or fixed is None:
+        size = self.measured(rows)
+        if size is None or size not in self.fixed:
             return 0.0
-        return fixed / (plain / rows)
+        return self.fixed[size] / (self.plain[size] / size)
 
     def skips(self) -> bool:
         """Whether a lookahead loop may plan the next step without drafts (drafting did not
@@ -195,15 +209,11 @@ class Speculator:
     def draft(self, chunks: list[Chunk], features: list[Feature]) -> bool:
         """Each decode chunk takes its request's drafts, as many per row as the cost model says
         pay (none where a feature the request uses is fed by the host: its next mask needs the
-        token before); whether the step verifies. A batch size whose plain step is not
-        measured, or not lately (``REMEASURE`` verify steps, or contexts that moved by
-        ``RESIZED`` since), runs one plain step first."""
+        token before); whether the step verifies. A batch size runs one plain step first
+        where ``stale`` says so."""
         adaptive = self.adaptive
         rows = len(chunks)
-        if adaptive and (
-            self.since_plain.get(rows, REMEASURE) >= REMEASURE
-            or _moved(self.context.get(rows), _context(chunks))
-        ):
+        if adaptive and self.stale(rows, chunks):
             return False
         proposals = [
             []
@@ -240,6 +250,17 @@ class Speculator:
             return False
         self.verify_steps += 1
         return True
+
+    def stale(self, rows: int, chunks: list[Chunk]) -> bool:
+        """Whether a step of ``rows`` rows runs plain to measure them: their plain step was
+        measured, but not lately (``REMEASURE`` verify steps, or contexts that moved by
+        ``RESIZED`` since); or it never was, and no size near it was either, or the costs it
+        borrows carried it ``REMEASURE`` verify steps."""
+        if rows not in self.plain:
+            return self.measured(rows) is None or self.since_plain.get(rows, 0) >= REMEASURE
+        return self.since_plain.get(rows, REMEASURE) >= REMEASURE or _moved(
+            self.context.get(rows), _context(chunks)
+        )
 
     def _untried(self, state: DraftState) -> None:
         """A proposal not verified: the acceptances it would have tried drift back to the

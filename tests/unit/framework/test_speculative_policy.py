@@ -102,6 +102,46 @@ def test_lookahead_drains_less_often_while_drafting_keeps_not_paying() -> None:
     assert spec.draft(decode([hit]), []) and spec.quiet == 0 and spec.quiet_next == QUIET
 
 
+def test_a_new_request_ends_the_stretch_without_drafts_that_the_ones_before_left() -> None:
+    """The last steps of a wave's requests have no room to draft, so their drained steps find
+    no drafts and the stretches grow; the next wave's requests are new chances: their first
+    step that finds no draft plans the shortest stretch, not the one left over."""
+    spec = speculator()
+    spec.plain[1], spec.position[1], spec.since_plain[1] = 0.010, 0.001, 0
+    done = request([1, 2, 3, 4, 5, 6, 1, 2], [3], max_new=2)  # no room left to draft
+    for _ in range(5):
+        assert not spec.draft(decode([done]), [])
+        while spec.skips():
+            pass
+    assert spec.quiet_next == QUIET_MAX
+    fresh = request([9, 8, 7, 6], [], max_new=50)  # new, and no match yet
+    assert not spec.draft(decode([fresh]), [])
+    assert spec.quiet == QUIET and spec.quiet_next == 2 * QUIET
+    later = request([9, 8, 7, 6], [], max_new=50)  # one that joins the running one
+    assert not spec.draft(decode([fresh, later]), []) and spec.quiet == QUIET
+
+
+def test_an_unmeasured_batch_size_drafts_on_the_costs_of_a_measured_size_near_it() -> None:
+    """A wave's last requests end a few at a time: a batch size within ``NEAR`` of a measured
+    one drafts at once on that size's costs (per row), and runs its own plain step after
+    ``REMEASURE`` verify steps; a size far from every measured one runs a plain step first."""
+    spec = speculator()
+    spec.plain[16], spec.position[16], spec.since_plain[16] = 0.032, 0.0008, 0  # 0.4 a position
+    spec.fixed[16] = 0.0
+    hits = [request([1, 2, 3, 4, 5, 6, 1, 2], [], max_new=50) for _ in range(14)]
+    assert spec.measured(14) == 16 and spec.ratio(14) == pytest.approx(0.4)
+    chunks = decode(hits)
+    assert spec.draft(chunks, []) and [len(c.drafts) for c in chunks] == [1] * 14  # 0.6 > 0.4
+    for _ in range(REMEASURE):
+        spec.timed(Batch(chunks, is_decode=True, verify=True), 0.040)
+    assert 14 not in spec.position  # no plain step of its own: its verify steps fit nothing
+    assert not spec.draft(decode(hits), [])  # REMEASURE verify steps on borrowed costs
+    spec.timed(Batch(decode(hits), is_decode=True), 0.028)
+    assert spec.draft(decode(hits), [])  # measured: 14 drafts on 16's position cost still
+    assert spec.measured(8) is None and spec.ratio(8) == pytest.approx(0.3)
+    assert not spec.draft(decode(hits[:8]), [])  # 16 / 8 > NEAR: a plain step first
+
+
 def test_each_row_keeps_the_drafts_that_beat_a_positions_cost_and_padding_costs_nothing() -> None:
     spec = speculator()
     hit = request([1, 2, 3, 4, 5, 6, 1, 2], [], max_new=50)
