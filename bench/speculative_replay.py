@@ -12,9 +12,9 @@ at batch 1 and fits a step's cost: a plain step ``P``, a verify step of ``d`` dr
 ``P * tokens / (P * plain steps + sum over verify steps of (P + F + C d))``. The table gives, per
 workload and setting, the share of steps that had a draft, the tokens per step, the predicted
 on / off, and the ceiling if verifying cost nothing (``F = C = 0``: tokens per step). A second
-table gives, per length of the n-gram a proposal matched, how often its first draft was kept and
-how many of its drafts were, on average (what the policy's acceptance by match length learns as
-it runs).
+table gives, per length of the n-gram a proposal matched, and whether that n-gram occurred once
+before or several times, how often its first draft was kept and how many of its drafts were, on
+average (what the policy's acceptance by match length learns as it runs, the split aside).
 
     python bench/speculative_replay.py [--workloads rag,code,chat] [--json F]
 """
@@ -106,9 +106,12 @@ def step_costs(workload: str, requests: int, new_tokens: int) -> dict[str, float
     return {"plain_s": p, "fixed_s": f, "per_draft_s": c, "steps": len(rows)}
 
 
-def proposals(requests: list[dict], lo: int, hi: int, k: int) -> Iterator[tuple[int, int, int]]:
+def proposals(
+    requests: list[dict], lo: int, hi: int, k: int
+) -> Iterator[tuple[int, bool, int, int]]:
     """The drafter over each request's tokens, one step at a time: the length of the n-gram the
-    step's proposal matched (0: none), its drafts, and how many of them were kept."""
+    step's proposal matched (0: none), whether that n-gram occurred once before (not several
+    times), its drafts, and how many of them were kept."""
     for r in requests:
         history, output = list(r["prompt"]), r["output"]
         drafter = NgramDrafter(lo, hi)
@@ -118,7 +121,10 @@ def proposals(requests: list[dict], lo: int, hi: int, k: int) -> Iterator[tuple[
             kept = 0
             while kept < len(proposal) and proposal[kept] == output[pos + kept]:
                 kept += 1
-            yield drafter.matched, len(proposal), kept
+            n = drafter.matched
+            gram = history[len(history) - n :]
+            once = n > 0 and sum(history[t - n : t] == gram for t in range(n, len(history))) == 1
+            yield n, once, len(proposal), kept
             history += output[pos : pos + kept + 1]
             pos += kept + 1
 
@@ -127,7 +133,7 @@ def replay(requests: list[dict], lo: int, hi: int, k: int) -> dict[str, float]:
     """The drafter over each request's tokens: steps, those with a draft, drafts, and the
     tokens made."""
     steps = drafting = drafts = 0
-    for _, drafted, _ in proposals(requests, lo, hi, k):
+    for _, _, drafted, _ in proposals(requests, lo, hi, k):
         steps += 1
         drafting += drafted > 0
         drafts += drafted
@@ -135,20 +141,31 @@ def replay(requests: list[dict], lo: int, hi: int, k: int) -> dict[str, float]:
     return {"steps": steps, "drafting": drafting, "drafts": drafts, "tokens": made}
 
 
-def by_match(requests: list[dict], lo: int, hi: int, k: int) -> dict[int, dict[str, float]]:
-    """Per length of the n-gram a proposal followed: the proposals, the share whose first draft
+def by_match(requests: list[dict], lo: int, hi: int, k: int) -> dict[str, dict[str, float]]:
+    """Per length of the n-gram a proposal followed, and whether it occurred once before or
+    several times (``"3 once"``, ``"3 repeated"``): the proposals, the share whose first draft
     was kept, and the mean drafts kept (every proposal verified in full)."""
-    table: dict[int, list[int]] = {}
-    for matched, drafted, kept in proposals(requests, lo, hi, k):
+    table: dict[tuple[int, bool], list[int]] = {}
+    for matched, once, drafted, kept in proposals(requests, lo, hi, k):
         if drafted:
-            row = table.setdefault(matched, [0, 0, 0])
+            row = table.setdefault((matched, once), [0, 0, 0])
             row[0] += 1
             row[1] += kept > 0
             row[2] += kept
     return {
-        n: {"proposals": c, "first_kept": first / c, "mean_kept": kept / c}
-        for n, (c, first, kept) in sorted(table.items())
+        f"{n} {'once' if once else 'repeated'}": {
+            "proposals": c,
+            "first_kept": first / c,
+            "mean_kept": kept / c,
+        }
+        for (n, once), (c, first, kept) in sorted(table.items(), key=_match_order)
     }
+
+
+def _match_order(item: tuple[tuple[int, bool], list[int]]) -> tuple[int, bool]:
+    """Match length, then once before the repeated."""
+    (n, once), _ = item
+    return n, not once
 
 
 def predicted(rep: dict[str, float], cost: dict[str, float]) -> float:
@@ -211,8 +228,8 @@ def main() -> None:
         f"\nBy the length of the n-gram a proposal matched (lookups {lo}-{hi}, up to {k} drafts, "
         "every proposal verified)"
     )
-    print("| workload | match length | proposals | first draft kept | mean drafts kept |")
-    print("|---|---:|---:|---:|---:|")
+    print("| workload | match | proposals | first draft kept | mean drafts kept |")
+    print("|---|---|---:|---:|---:|")
     matches = {}
     for name in names:
         matches[name] = by_match(tokens[name], lo, hi, k)
