@@ -688,10 +688,13 @@ inline void rows_over(const Weight& w, const Rows& x, int64_t p, const Output& o
 
 // Rows [0, x.m) times panels [p0, p1). The tile shapes: dense kinds 8 rows x 2 panels (a weight
 // vector load feeds 8 rows, a row's broadcast feeds 2 panels: the multiply-adds, not the loads,
-// set the pace; 9 to 32 rows in K blocks, ``dense_blocked``); integer kinds 8 x 1 from 5 to 11
-// rows, and past them int4 4 x 2 (the unpacked codes of two panels stay in registers) and int8
-// 8 x 1 still; one row runs 4 panels at once (four independent chains in flight, four weight
-// streams).
+// set the pace; 9 to 32 rows in K blocks, ``dense_blocked``); integer kinds 8 x 1 at every row
+// count past one (blocks of 8 rows and one of the rest, each panel's K run for every block while
+// it sits in L1): with 16-bit activation codes a row takes two vpdpbusd per weight vector, so
+// the rows a loaded, unpacked weight vector feeds set the pace, not the unpacking two panels'
+// tiles would share (4 x 2 int4 tiles measured 20-30 % slower at 2 - 4 rows with the weights in
+// memory, 5-10 % at 12 - 256); one row runs 4 panels at once (four independent chains in
+// flight, four weight streams).
 // Denormal inputs read as zero and denormal results flushed, for one GEMM (vdpbf16ps' rule,
 // kept by the float32 path of bfloat16 weights).
 struct FlushDenormals {
@@ -739,21 +742,9 @@ inline void gemm(const Weight& w, const Rows& x, int64_t p0, int64_t p1, const O
     for (; p < p1; ++p) dense_blocked<1>(w, x, p, out);
   } else if (dense) {
     for (; p + 2 <= p1; p += 2) rows_over<8, 2>(w, x, p, out);
-  } else if (x.m > 4 && (x.m < 12 || w.kind == kI8)) {
-    // blocks of 8 rows (and one of the rest) per panel; for int8 at every row count (its
-    // codes need no unpacking, so two panels' tiles save nothing and halve the rows a loaded
-    // weight vector feeds)
-    for (; p < p1; ++p) rows_over<8, 1>(w, x, p, out);
-  } else {
-    for (; p + 2 <= p1; p += 2) rows_over<4, 2>(w, x, p, out);
   }
-  for (; p < p1; ++p) {
-    if (dense) {
-      rows_over<8, 1>(w, x, p, out);
-    } else {
-      rows_over<4, 1>(w, x, p, out);
-    }
-  }
+  // the integer kinds past one row, and a dense weight's last odd panel
+  for (; p < p1; ++p) rows_over<8, 1>(w, x, p, out);
 }
 
 }  // namespace hyloop::panels
