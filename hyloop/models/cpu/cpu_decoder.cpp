@@ -25,6 +25,7 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -281,6 +282,11 @@ inline void store_row(const float* src, int64_t n, T* dst) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
 }
 
+// A shared step's attention task: rows [b0, b0 + rows) of one request for kv head `head`.
+struct AttnTask {
+  int64_t b0 = 0, rows = 0, head = 0;
+};
+
 struct StepInputs {
   std::vector<at::Tensor> k_bufs, v_bufs;
   const int64_t* loc = nullptr;    // [B]
@@ -291,10 +297,10 @@ struct StepInputs {
   int64_t ctx = 0, rot = 0;
   // `shared`: rows of one request (a verify step's positions) read each other's new K/V, so
   // every K/V is written, behind a barrier, before any row attends; then each attention task is
-  // one of `units` (first row, rows: a request's rows, or a part of them where too few
-  // requests would leave ranks idle) for one kv head, its columns read once for all its rows.
+  // one of `tasks` (``attention_tasks``): a request's rows, or a part of them, for one kv head,
+  // its columns read once for all its rows.
   bool shared = false;
-  std::vector<std::pair<int64_t, int64_t>> units;
+  std::vector<AttnTask> tasks;
 };
 
 // Row b's key for kv head h (its norm and RoPE) and value, written at loc[b]: a shared step's
@@ -630,13 +636,12 @@ void run_layers(Stack& s, const StepInputs& in, int64_t B, int rank, hyloop::Tea
       sync(kAttn, l.o, 2);
     }
     if (in.shared) {
-      const int64_t KV = sp.kv_heads;
-      const auto n_tasks = static_cast<int64_t>(in.units.size()) * KV;
+      const auto n_tasks = static_cast<int64_t>(in.tasks.size());
       claim_units(ws.spans.get(), n_tasks, rank, T_, [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; ++t) {
-          const auto [b0, np] = in.units[t / KV];
-          attend_rows<T>(sp, l, in, static_cast<int64_t>(li), b0, np, t % KV, ws.qkv.data(),
-                         nqkv, scratch, ws.act.data(), ws.attn_rows);
+          const AttnTask& a = in.tasks[t];
+          attend_rows<T>(sp, l, in, static_cast<int64_t>(li), a.b0, a.rows, a.head,
+                         ws.qkv.data(), nqkv, scratch, ws.act.data(), ws.attn_rows);
         }
       });
       sync(kAttn, l.o, 2);
@@ -696,25 +701,69 @@ void run_layers(Stack& s, const StepInputs& in, int64_t B, int rank, hyloop::Tea
   }
 }
 
-// A shared step's attention units (``StepInputs::units``): each request's rows (`request`,
-// ascending), split into up to as many parts as it takes for `kv_heads` tasks a unit to give
-// every one of `threads` ranks about four.
-std::vector<std::pair<int64_t, int64_t>> row_units(const std::vector<int64_t>& request,
-                                                   int64_t kv_heads, int threads) {
-  std::vector<std::pair<int64_t, int64_t>> runs;
+// What reading a shared attention task's columns costs, in rows of its arithmetic (a kv head's
+// K/V come from memory for the first of its tasks, from cache for the others).
+constexpr double kTaskRows = 2.0;
+constexpr int64_t kGroupRows = 32;  // the most rows ``attend_rows`` attends together
+
+// A shared step's attention tasks (``StepInputs::tasks``), laid out for ``claim_units``. Each
+// request's rows (`request`: the request of each row, ascending) are cut into the same number
+// of parts, as even as can be, one task a part and kv head. Of the part counts up to the longest
+// request's rows (at most 8), the one kept is that whose tasks, dealt largest first to the
+// least loaded rank (each rank as many as its ``share``), leave the most loaded rank the least
+// work (a task costs its rows plus ``kTaskRows``), the fewest tasks on a tie. Rank r's deal fills
+// its share, largest first, so what another rank takes from its back is its smallest. (9 rows
+// of one request, 3 kv heads, 2 ranks: parts of 5 and 4 rows, 14 and 13 rows a rank, where 3
+// parts of 3 gave 15 and 12.) No part is longer than ``kGroupRows``. Which rank runs a task
+// changes no result.
+std::vector<AttnTask> attention_tasks(const std::vector<int64_t>& request, int64_t kv_heads,
+                                      int threads) {
+  std::vector<std::pair<int64_t, int64_t>> runs;  // (first row, rows) per request
   const auto B = static_cast<int64_t>(request.size());
   for (int64_t b = 0; b < B; ++b) {
     if (b == 0 || request[b] != request[b - 1]) runs.emplace_back(b, 0);
     ++runs.back().second;
   }
-  const int64_t tasks = static_cast<int64_t>(runs.size()) * kv_heads;
-  const int64_t parts = std::max<int64_t>(1, (4 * threads + tasks - 1) / tasks);
-  std::vector<std::pair<int64_t, int64_t>> units;
-  for (const auto& [b0, n] : runs) {
-    const int64_t per = (n + std::min(parts, n) - 1) / std::min(parts, n);
-    for (int64_t b = b0; b < b0 + n; b += per) units.emplace_back(b, std::min(per, b0 + n - b));
+  int64_t longest = 1;
+  for (const auto& run : runs) longest = std::max(longest, run.second);
+  const int T = std::max(1, threads);
+  std::vector<AttnTask> best;
+  double best_span = std::numeric_limits<double>::infinity();
+  const int64_t fewest = (longest + kGroupRows - 1) / kGroupRows;  // parts group_rows takes whole
+  for (int64_t parts = fewest; parts <= std::max(fewest, std::min<int64_t>(longest, 8)); ++parts) {
+    std::vector<AttnTask> tasks;
+    for (const auto& [b0, n] : runs) {
+      const int64_t cut = std::min(parts, n);
+      for (int64_t i = 0, b = b0; i < cut; ++i) {
+        const int64_t rows = n / cut + (i < n % cut ? 1 : 0);
+        for (int64_t h = 0; h < kv_heads; ++h) tasks.push_back({b, rows, h});
+        b += rows;
+      }
+    }
+    std::stable_sort(tasks.begin(), tasks.end(), [](const AttnTask& x, const AttnTask& y) {
+      return x.rows != y.rows ? x.rows > y.rows : x.head < y.head;
+    });
+    const auto n = static_cast<int64_t>(tasks.size());
+    std::vector<std::vector<AttnTask>> deal(T);
+    std::vector<double> load(T, 0.0);
+    for (const AttnTask& a : tasks) {
+      int pick = -1;
+      for (int r = 0; r < T; ++r) {
+        const auto [lo, hi] = share(n, r, T);
+        const bool room = static_cast<int64_t>(deal[r].size()) < hi - lo;
+        if (room && (pick < 0 || load[r] < load[pick])) pick = r;
+      }
+      deal[pick].push_back(a);
+      load[pick] += static_cast<double>(a.rows) + kTaskRows;
+    }
+    const double span = *std::max_element(load.begin(), load.end());
+    if (span < best_span) {
+      best_span = span;
+      best.clear();
+      for (const auto& own : deal) best.insert(best.end(), own.begin(), own.end());
+    }
   }
-  return units;
+  return best;
 }
 
 // The stack over x's rows; with `request` (the request of each row, ascending: a verify step's
@@ -784,7 +833,7 @@ at::Tensor stack_rows(const at::Tensor& x, int64_t handle, at::TensorList k_bufs
   in.shared = !request.empty();
   if (in.shared) {
     TORCH_CHECK(static_cast<int64_t>(request.size()) == B, "decode_layers: a request per row");
-    in.units = row_units(request, sp.kv_heads, threads);
+    in.tasks = attention_tasks(request, sp.kv_heads, threads);
   }
   ensure_workspace(*s, B, threads);
   if (s->timed && static_cast<int>(s->phase_s.size()) < threads) s->phase_s.resize(threads);
