@@ -692,9 +692,9 @@ inline void rows_over(const Weight& w, const Rows& x, int64_t p, const Output& o
 // count past one (blocks of 8 rows and one of the rest, each panel's K run for every block while
 // it sits in L1): with 16-bit activation codes a row takes two vpdpbusd per weight vector, so
 // the rows a loaded, unpacked weight vector feeds set the pace, not the unpacking two panels'
-// tiles would share (4 x 2 int4 tiles measured 20-30 % slower at 2 - 4 rows with the weights in
-// memory, 5-10 % at 12 - 256); one row runs 4 panels at once (four independent chains in
-// flight, four weight streams).
+// tiles would share (4 x 2 int4 tiles took 20 - 45 % longer at 2 - 4 rows with the weights in
+// memory, 5 - 15 % at 12 - 256: ``bench/panel_gemm.py``); one row runs 4 panels at once (four
+// independent chains in flight, four weight streams).
 // Denormal inputs read as zero and denormal results flushed, for one GEMM (vdpbf16ps' rule,
 // kept by the float32 path of bfloat16 weights).
 struct FlushDenormals {
